@@ -1,0 +1,91 @@
+"""PolarKVClient: the blocking face of AsyncPolarKVClient for engines and scripts.
+
+It owns one event loop in a daemon thread and runs each call there; the caller's
+thread blocks on the result. Results are bounded by the client's timeout like the async
+calls (plus a backstop), so a blocked caller always gets its miss back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from polarkv_lib.client.async_client import AsyncPolarKVClient, BufferLike, ClientStats
+
+T = TypeVar("T")
+
+
+class PolarKVClient:
+    def __init__(self, manager_url: str = "http://127.0.0.1:8170", namespace: str = "",
+                 chunk_tokens: int = 256, token: str | None = None, transport: str = "auto",
+                 timeout: float = 2.0, connections: int = 4, window: int = 64) -> None:
+        # Validate in the caller's thread so mistakes raise here, before a thread starts.
+        self._client = AsyncPolarKVClient(manager_url, namespace, chunk_tokens, token, transport,
+                                          timeout, connections, window)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="polarkv-client",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    @property
+    def namespace(self) -> str:
+        return self._client.namespace
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self._client.chunk_tokens
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._client.stats
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise ValueError("client is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(self._client.timeout + 5.0)
+
+    def keys(self, tokens: Any) -> list[str]:
+        return self._client.keys(tokens)
+
+    def store_kv(self, tokens: Any, chunks: Sequence[BufferLike]) -> int:
+        return self._run(self._client.store_kv(tokens, chunks))
+
+    def load_kv(self, tokens: Any, out: Sequence[BufferLike] | None = None) -> tuple[int, list[memoryview]]:
+        return self._run(self._client.load_kv(tokens, out))
+
+    def lookup_kv(self, tokens: Any) -> int:
+        return self._run(self._client.lookup_kv(tokens))
+
+    def put(self, key: str, data: BufferLike) -> bool:
+        return self._run(self._client.put(key, data))
+
+    def get(self, key: str) -> bytes | None:
+        return self._run(self._client.get(key))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(
+                self._client.timeout + 5.0)
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
+            self._loop.close()
+
+    def __enter__(self) -> PolarKVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn("PolarKVClient was not closed", ResourceWarning, stacklevel=1)

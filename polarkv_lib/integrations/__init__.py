@@ -1,0 +1,1 @@
+"""Engine integrations: vLLM, SGLang, transformers. Each imports its engine lazily."""

@@ -1,0 +1,142 @@
+"""The OpenAPI 3 description of the manager's HTTP API.
+
+A test checks that every route the app serves is described here (and nothing more),
+and that real responses validate against these schemas, so this stays true.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polarkv_lib import __version__
+
+KEY = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
+LEASE = {"type": "string", "pattern": "^[0-9a-f]{16,64}$"}
+CHECKSUM = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
+INT = {"type": "integer"}
+STR = {"type": "string"}
+NUM = {"type": "number"}
+
+
+def obj(required: dict[str, Any], optional: dict[str, Any] | None = None,
+        additional: bool = False) -> dict[str, Any]:
+    props = {**required, **(optional or {})}
+    return {"type": "object", "required": list(required), "properties": props,
+            "additionalProperties": additional}
+
+
+def arr(items: dict[str, Any], min_items: int = 0) -> dict[str, Any]:
+    return {"type": "array", "items": items, "minItems": min_items}
+
+
+NULLABLE_LEASE = {"oneOf": [LEASE, {"type": "null"}]}
+ERROR = obj({"error": STR})
+NODE_REF = obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}})
+NODE_VIEW = obj({"address": STR, "shm_path": STR, "host_id": STR, "transports": arr(STR),
+                 "incarnation": INT})
+REGION = {"key": KEY, "node": STR, "offset": INT, "size": INT, "checksum": STR,
+          "grant": {"type": "string", "pattern": "^[0-9a-f]+$"}}
+
+STATS_KEYS = [
+    "keys_memory", "keys_disk", "keys_writing", "bytes_memory", "bytes_memory_allocated",
+    "bytes_disk", "capacity_memory", "capacity_disk", "hits", "misses", "hits_memory",
+    "hits_disk", "lookups", "allocations", "alloc_exists", "alloc_in_progress", "alloc_no_space",
+    "commits", "aborts", "offloads", "reloads", "evictions", "expired_write_leases",
+    "expired_read_leases", "checksum_failures", "deletes", "entries_lost", "read_leases",
+    "write_leases", "nodes", "nodes_dead",
+]
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _op(summary: str, ok: dict[str, Any], body: dict[str, Any] | None = None,
+        errors: tuple[int, ...] = (400, 401, 413), extra: dict[int, str] | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {"200": _json(ok, "OK")}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    for code in errors:
+        op["responses"][str(code)] = _json(ERROR, "error with a reason")
+    for code, why in (extra or {}).items():
+        op["responses"][str(code)] = _json(ERROR, why)
+    return op
+
+
+KEY_PARAM = [{"name": "key", "in": "path", "required": True, "schema": KEY}]
+
+
+def openapi_spec() -> dict[str, Any]:
+    key_view = obj({"key": KEY, "state": {"enum": ["writing", "ready"]}, "tiers": arr(STR),
+                    "node": STR, "size": INT, "checksum": {"oneOf": [CHECKSUM, {"type": "null"}]},
+                    "readers": INT, "created": NUM, "last_access": NUM})
+    node = obj({"id": STR, "address": STR, "state": {"enum": ["alive", "dead"]}, "incarnation": INT,
+                "transports": arr(STR), "memory_used": INT, "memory_capacity": INT,
+                "keys_memory": INT, "disk_used": INT, "disk_capacity": INT, "last_heartbeat": NUM})
+    paths: dict[str, Any] = {
+        "/healthz": {"get": _op("liveness", obj({"status": {"enum": ["ok"]}, "nodes": INT,
+                                                  "keys_memory": INT}), errors=())},
+        "/v1/stats": {"get": _op("counters and sizes", obj({k: INT for k in STATS_KEYS}), errors=(401,))},
+        "/v1/nodes": {"get": _op("slab/disk nodes", obj({"nodes": arr(node)}), errors=(401,))},
+        "/v1/keys/{key}": {
+            "parameters": KEY_PARAM,
+            "get": _op("where a key is", key_view, errors=(400, 401), extra={404: "no such key"}),
+            "delete": _op("drop a key everywhere", obj({"deleted": KEY}), errors=(400, 401, 403),
+                          extra={404: "no such key"}),
+        },
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "Prometheus text format",
+                    "content": {"text/plain": {"schema": STR}}},
+            "401": _json(ERROR, "missing or wrong token")}}},
+        "/openapi.json": {"get": _op("this document", {"type": "object"}, errors=(401,))},
+        "/v1/lookup": {"post": _op(
+            "longest ready prefix of keys, with read leases and READ grants",
+            obj({"hits": INT, "lease": NULLABLE_LEASE, "nodes": {"type": "object",
+                 "additionalProperties": NODE_VIEW},
+                 "entries": arr(obj({"key": KEY, "size": INT, "checksum": STR},
+                                    {k: v for k, v in REGION.items() if k not in ("key", "size", "checksum")}))}),
+            obj({"keys": arr(KEY, 1)}, {"lease": {"type": "boolean"}}))},
+        "/v1/allocate": {"post": _op(
+            "first writer wins: allocate space and WRITE grants under one write lease",
+            obj({"lease": NULLABLE_LEASE, "nodes": {"type": "object", "additionalProperties": NODE_VIEW},
+                 "results": arr(obj({"key": KEY, "status": {
+                     "enum": ["allocated", "exists", "in_progress", "no_space"]}},
+                     {k: v for k, v in REGION.items() if k != "key"}))}),
+            obj({"items": arr(obj({"key": KEY, "size": {"type": "integer", "minimum": 1}}), 1)}))},
+        "/v1/commit": {"post": _op(
+            "write-finish: make written entries visible",
+            obj({"results": {"type": "object", "additionalProperties": {
+                "enum": ["committed", "lease_expired", "not_in_lease", "dropped"]}}}),
+            obj({"lease": LEASE, "items": arr(obj({"key": KEY, "checksum": CHECKSUM}), 1)}))},
+        "/v1/abort": {"post": _op(
+            "give up writes and free their space", obj({"aborted": INT}),
+            obj({"lease": LEASE}, {"keys": arr(KEY)}))},
+        "/v1/release": {"post": _op(
+            "end read leases early; report keys whose bytes failed their checksum",
+            obj({"released": INT}), obj({"leases": arr(LEASE, 1)}, {"corrupt": arr(KEY)}))},
+        "/v1/renew": {"post": _op(
+            "extend read or write leases", obj({"renewed": arr(LEASE)}), obj({"leases": arr(LEASE, 1)}))},
+        "/v1/nodes/register": {"post": _op(
+            "a slab joins (or rejoins) with its incarnation",
+            obj({"node_id": STR, "incarnation": INT, "heartbeat_ttl": NUM}, {"grant_key": STR}),
+            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}, "address": STR,
+                 "capacity": {"type": "integer", "minimum": 1}},
+                {"shm_path": STR, "host_id": STR, "transports": arr({"enum": ["tcp", "shm", "rdma"]}, 1)}),
+            errors=(400, 401, 403))},
+        "/v1/nodes/heartbeat": {"post": _op(
+            "a slab is alive", obj({"ok": {"type": "boolean"}}), NODE_REF, errors=(400, 401, 403),
+            extra={404: "unknown node or incarnation: register again"})},
+        "/v1/nodes/unregister": {"post": _op(
+            "a slab leaves; its entries are dropped", obj({"ok": {"type": "boolean"}}), NODE_REF,
+            errors=(400, 401, 403), extra={404: "unknown node or incarnation"})},
+    }
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "PolarKV manager", "version": __version__,
+                 "description": "Control and admin API of the PolarKV manager. KV bytes never pass "
+                                "through it: they move on the slab data plane under the grants "
+                                "handed out here."},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}, {}],
+        "paths": paths,
+    }

@@ -1,0 +1,1 @@
+"""Operator tools: benchmarks and (later) replay and planning."""

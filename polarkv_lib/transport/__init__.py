@@ -1,0 +1,1 @@
+"""Client-side data-plane transports behind one interface: tcp, shm (and rdma later)."""

@@ -1,0 +1,53 @@
+"""The transport interface: move one granted region between a slab and a local buffer.
+
+Transports are blocking and thread-safe: the async client runs them in its transfer
+thread pool, where a large copy or socket transfer releases the GIL. Every call is
+bounded by an absolute `deadline` (time.monotonic()) and raises a PolarKVError
+(NetworkError, AccessDenied, OperationTimeout, ProtocolError) on any fault, never a
+third-party exception.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTarget:
+    node_id: str
+    address: str
+    incarnation: int
+    shm_path: str
+    host_id: str
+    transports: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One granted region of a node's buffer: what the manager handed out."""
+
+    node: NodeTarget
+    offset: int
+    size: int
+    grant: bytes
+
+
+class Transport(ABC):
+    name: str
+
+    @abstractmethod
+    def usable(self, node: NodeTarget) -> bool:
+        """Whether this transport can reach `node` from here."""
+
+    @abstractmethod
+    def read_into(self, region: Region, view: memoryview, deadline: float) -> None:
+        """Copy the region into `view` (len(view) == region.size)."""
+
+    @abstractmethod
+    def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
+        """Copy `view` (len(view) == region.size) into the region."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop pooled connections and mappings."""

@@ -1,0 +1,213 @@
+"""Control-API request bodies: parse JSON objects into typed requests, or raise BadRequest.
+
+Everything the manager accepts passes through here first, so the manager's core only
+ever sees well-formed keys, positive sizes and bounded batches. Error messages name the
+field so a caller can fix the request without reading the source.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from polarkv_lib.errors import BadRequest
+from polarkv_lib.keys import is_valid_key
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_LEASE = re.compile(r"[0-9a-f]{16,64}")
+_NODE_ID = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,128}")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch: int
+    max_object_size: int
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest("body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if name not in body:
+        if default is ...:
+            raise BadRequest(f"'{name}' is required")
+        return default
+    value = body[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        expected = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise BadRequest(f"'{name}' must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def _batch(body: dict[str, Any], name: str, limits: Limits, allow_empty: bool = False) -> list[Any]:
+    items: list[Any] = _field(body, name, list)
+    if not items and not allow_empty:
+        raise BadRequest(f"'{name}' must not be empty")
+    if len(items) > limits.max_batch:
+        raise BadRequest(f"'{name}' has {len(items)} entries, the maximum is {limits.max_batch}", 413)
+    return items
+
+
+def _key(value: Any, where: str) -> str:
+    if not is_valid_key(value):
+        raise BadRequest(f"{where}: a key is 32 lowercase hex characters, got {value!r:.60}")
+    return str(value)
+
+
+def _lease(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _LEASE.fullmatch(value):
+        raise BadRequest(f"{where}: not a lease id: {value!r:.60}")
+    return value
+
+
+def _keys(body: dict[str, Any], name: str, limits: Limits, allow_empty: bool = False) -> list[str]:
+    return [_key(k, f"{name}[{i}]") for i, k in enumerate(_batch(body, name, limits, allow_empty))]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest:
+    keys: list[str]
+    lease: bool
+
+
+def parse_lookup(body: dict[str, Any], limits: Limits) -> LookupRequest:
+    return LookupRequest(_keys(body, "keys", limits), _field(body, "lease", bool, True))
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateItem:
+    key: str
+    size: int
+
+
+def parse_allocate(body: dict[str, Any], limits: Limits) -> list[AllocateItem]:
+    out = []
+    for i, item in enumerate(_batch(body, "items", limits)):
+        if not isinstance(item, dict):
+            raise BadRequest(f"items[{i}] must be an object with 'key' and 'size'")
+        key = _key(item.get("key"), f"items[{i}].key")
+        size = item.get("size")
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise BadRequest(f"items[{i}].size must be an integer")
+        if size <= 0:
+            raise BadRequest(f"items[{i}].size must be > 0, got {size}")
+        if size > limits.max_object_size:
+            raise BadRequest(
+                f"items[{i}].size {size} is above the maximum object size {limits.max_object_size}", 413)
+        out.append(AllocateItem(key, size))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRequest:
+    lease: str
+    items: list[tuple[str, str]]  # (key, checksum as 16 hex chars)
+
+
+def parse_commit(body: dict[str, Any], limits: Limits) -> CommitRequest:
+    lease = _lease(_field(body, "lease", str), "lease")
+    items = []
+    for i, item in enumerate(_batch(body, "items", limits)):
+        if not isinstance(item, dict):
+            raise BadRequest(f"items[{i}] must be an object with 'key' and 'checksum'")
+        key = _key(item.get("key"), f"items[{i}].key")
+        checksum = item.get("checksum")
+        if not isinstance(checksum, str) or not _HEX16.fullmatch(checksum):
+            raise BadRequest(f"items[{i}].checksum must be 16 lowercase hex characters (xxh3-64)")
+        items.append((key, checksum))
+    return CommitRequest(lease, items)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    lease: str
+    keys: list[str] | None  # None: everything still open under the lease
+
+
+def parse_abort(body: dict[str, Any], limits: Limits) -> AbortRequest:
+    lease = _lease(_field(body, "lease", str), "lease")
+    keys = _keys(body, "keys", limits, allow_empty=True) if "keys" in body else None
+    return AbortRequest(lease, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest:
+    leases: list[str]
+    corrupt: list[str]
+
+
+def parse_release(body: dict[str, Any], limits: Limits) -> ReleaseRequest:
+    leases = [_lease(v, f"leases[{i}]") for i, v in enumerate(_batch(body, "leases", limits))]
+    corrupt = _keys(body, "corrupt", limits, allow_empty=True) if "corrupt" in body else []
+    return ReleaseRequest(leases, corrupt)
+
+
+def parse_renew(body: dict[str, Any], limits: Limits) -> list[str]:
+    return [_lease(v, f"leases[{i}]") for i, v in enumerate(_batch(body, "leases", limits))]
+
+
+def _node_id(body: dict[str, Any]) -> str:
+    node_id = _field(body, "node_id", str)
+    if not _NODE_ID.fullmatch(node_id):
+        raise BadRequest("'node_id' must be 1-128 characters of [A-Za-z0-9._:-[]]")
+    return str(node_id)
+
+
+def _incarnation(body: dict[str, Any]) -> int:
+    value = _field(body, "incarnation", int)
+    if not 0 < value < 2**63:
+        raise BadRequest("'incarnation' must be a positive 63-bit integer")
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterRequest:
+    node_id: str
+    incarnation: int
+    address: str
+    capacity: int
+    shm_path: str
+    host_id: str
+    transports: list[str]
+
+
+def parse_register(body: dict[str, Any]) -> RegisterRequest:
+    address = _field(body, "address", str)
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadRequest("'address' must be host:port")
+    capacity = _field(body, "capacity", int)
+    if not 0 < capacity < 2**50:
+        raise BadRequest("'capacity' must be a positive byte count")
+    transports = _field(body, "transports", list, ["tcp"])
+    if not transports or not all(t in ("tcp", "shm", "rdma") for t in transports):
+        raise BadRequest("'transports' must list tcp, shm or rdma")
+    return RegisterRequest(
+        node_id=_node_id(body),
+        incarnation=_incarnation(body),
+        address=address,
+        capacity=capacity,
+        shm_path=_field(body, "shm_path", str, ""),
+        host_id=_field(body, "host_id", str, ""),
+        transports=transports,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRef:
+    node_id: str
+    incarnation: int
+
+
+def parse_node_ref(body: dict[str, Any]) -> NodeRef:
+    return NodeRef(_node_id(body), _incarnation(body))

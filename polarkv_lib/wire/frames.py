@@ -1,0 +1,60 @@
+"""The tcp data-plane frames: the one-sided READ/WRITE emulation.
+
+Request (little-endian):  magic "PK" | version u8 | op u8 | grant (GRANT_SIZE bytes)
+  WRITE: followed by exactly grant.length payload bytes.
+Response:                 magic "PK" | status u8 | 0 u8 | length u64
+  OK + READ: followed by `length` payload bytes; OK + WRITE: length 0.
+  error: followed by `length` bytes of UTF-8 reason; the server then closes.
+
+A request always covers its whole grant, so the frame needs no offset of its own and a
+client can only ever touch what the manager gave it.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import IntEnum
+
+from polarkv_lib.errors import ProtocolError
+from polarkv_lib.wire.grants import GRANT_SIZE, Op
+
+MAGIC = b"PK"
+VERSION = 1
+_REQ = struct.Struct(f"<2sBB{GRANT_SIZE}s")
+_RESP = struct.Struct("<2sBxQ")
+REQUEST_SIZE = _REQ.size
+RESPONSE_SIZE = _RESP.size
+
+
+class Status(IntEnum):
+    OK = 0
+    DENIED = 1
+    BAD_REQUEST = 2
+    BUSY = 3
+
+
+def encode_request(op: Op, grant: bytes) -> bytes:
+    return _REQ.pack(MAGIC, VERSION, op, grant)
+
+
+def decode_request(frame: bytes | bytearray | memoryview) -> tuple[Op, bytes]:
+    magic, version, op, grant = _REQ.unpack(frame)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError("not a PolarKV data-plane request")
+    if op not in (Op.READ, Op.WRITE):
+        raise ProtocolError(f"unknown op {op}")
+    return Op(op), grant
+
+
+def encode_response(status: Status, length: int = 0) -> bytes:
+    return _RESP.pack(MAGIC, status, length)
+
+
+def decode_response(frame: bytes | bytearray | memoryview) -> tuple[Status, int]:
+    magic, status, length = _RESP.unpack(frame)
+    if magic != MAGIC:
+        raise ProtocolError("not a PolarKV data-plane response")
+    try:
+        return Status(status), length
+    except ValueError:
+        raise ProtocolError(f"unknown status {status}") from None

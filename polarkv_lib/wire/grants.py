@@ -1,0 +1,73 @@
+"""Data-plane grants: (op, incarnation, offset, length, expiry) signed with HMAC-SHA256.
+
+The manager signs one grant per region it hands out; a slab serves a request only if
+the grant verifies with the shared key, names this slab's incarnation (so a grant for
+another node, or for this node before a restart, is useless), covers the bytes asked
+for, and has not expired. Expiry is wall-clock milliseconds: manager and slabs must
+keep their clocks in sync (NTP) to well within a lease.
+"""
+
+from __future__ import annotations
+
+import hmac
+import struct
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+from hashlib import sha256
+
+from polarkv_lib.errors import AccessDenied, ProtocolError
+
+
+class Op(IntEnum):
+    READ = 1
+    WRITE = 2
+
+
+_BODY = struct.Struct("<B3xQQQQ")  # op, incarnation, offset, length, expires_ms
+MAC_SIZE = 16
+GRANT_SIZE = _BODY.size + MAC_SIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    op: Op
+    incarnation: int
+    offset: int
+    length: int
+    expires_ms: int
+
+    def body(self) -> bytes:
+        return _BODY.pack(self.op, self.incarnation, self.offset, self.length, self.expires_ms)
+
+
+def sign(grant: Grant, key: bytes) -> bytes:
+    body = grant.body()
+    return body + hmac.new(key, body, sha256).digest()[:MAC_SIZE]
+
+
+def decode(blob: bytes | bytearray | memoryview) -> Grant:
+    """Parse without verifying (clients read offset/length for shm; the slab verifies)."""
+    if len(blob) != GRANT_SIZE:
+        raise ProtocolError(f"a grant is {GRANT_SIZE} bytes, got {len(blob)}")
+    op, incarnation, offset, length, expires_ms = _BODY.unpack_from(blob)
+    if op not in (Op.READ, Op.WRITE):
+        raise ProtocolError(f"unknown grant op {op}")
+    return Grant(Op(op), incarnation, offset, length, expires_ms)
+
+
+def verify(blob: bytes | bytearray | memoryview, key: bytes, incarnation: int, buffer_size: int,
+           now_ms: int | None = None) -> Grant:
+    """Return the grant if it is genuine and usable on this slab, else raise AccessDenied."""
+    grant = decode(blob)
+    body = bytes(blob[: _BODY.size])
+    expected = hmac.new(key, body, sha256).digest()[:MAC_SIZE]
+    if not hmac.compare_digest(expected, bytes(blob[_BODY.size:])):
+        raise AccessDenied("grant signature does not verify")
+    if grant.incarnation != incarnation:
+        raise AccessDenied("grant is for another node or incarnation")
+    if grant.expires_ms < (int(time.time() * 1000) if now_ms is None else now_ms):
+        raise AccessDenied("grant expired")
+    if grant.length <= 0 or grant.offset < 0 or grant.offset + grant.length > buffer_size:
+        raise AccessDenied("grant is outside the buffer")
+    return grant
