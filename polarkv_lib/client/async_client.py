@@ -14,6 +14,7 @@ and a load never waits on more than it can use.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import warnings
 from collections.abc import Awaitable, Sequence
@@ -21,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import structlog
 import xxhash
 
 from polarkv_lib.client.control import ControlClient
@@ -31,7 +31,8 @@ from polarkv_lib.transport.base import NodeTarget, Region, Transport
 from polarkv_lib.transport.shm import ShmTransport
 from polarkv_lib.transport.tcp import TcpTransport
 
-log = structlog.get_logger("polarkv.client")
+# stdlib logging, not structlog: the client lives inside engines, which own log config.
+log = logging.getLogger("polarkv.client")
 
 T = TypeVar("T")
 TRANSPORTS = ("auto", "tcp", "shm")
@@ -203,11 +204,11 @@ class AsyncPolarKVClient:
             self.stats.faults += 1
             if isinstance(exc, TimeoutError):
                 self.stats.timeouts += 1
-            log.debug("operation became a miss", error=str(exc) or type(exc).__name__)
+            log.debug("operation became a miss: %s", str(exc) or type(exc).__name__)
             return miss
         except Exception as exc:  # the contract: an engine never sees infrastructure errors
             self.stats.faults += 1
-            log.warning("unexpected client fault became a miss", error=repr(exc))
+            log.warning("unexpected client fault became a miss: %r", exc)
             return miss
 
     def _transport_for(self, node: NodeTarget) -> Transport | None:
@@ -227,7 +228,7 @@ class AsyncPolarKVClient:
             return True
         except PolarKVError as exc:
             self.stats.transfer_failures += 1
-            log.debug("transfer failed", node=region.node.node_id, error=str(exc))
+            log.debug("transfer with %s failed: %s", region.node.node_id, exc)
             return False
 
     def _background_post(self, path: str, body: dict[str, Any]) -> None:
@@ -236,7 +237,7 @@ class AsyncPolarKVClient:
             try:
                 await self._control.post(path, body, time.monotonic() + self.timeout)
             except PolarKVError as exc:
-                log.debug("background request failed", path=path, error=str(exc))
+                log.debug("background %s failed: %s", path, exc)
 
         task = asyncio.get_running_loop().create_task(send())
         self._background.add(task)
@@ -318,7 +319,7 @@ class AsyncPolarKVClient:
         for j in range(n):
             if sums[j] != entries[j]["checksum"]:
                 self.stats.checksum_failures += 1
-                log.warning("checksum mismatch; treating as a miss", key=entries[j]["key"])
+                log.warning("checksum mismatch on %s; treating it as a miss", entries[j]["key"])
                 return buffers[:j], [entries[j]["key"]]
         return buffers[:n], []
 

@@ -6,7 +6,10 @@ does whatever I/O follows. That keeps every state transition testable on its own
 Tables: entries live in `partitions` hash tables split by key range (the first 32 bits
 of the key pick the partition), so a later manager can shard by handing out ranges.
 Each node keeps the LRU of its ready memory entries: eviction and (later) offload are
-per node, because tiering never leaves a node.
+per node, because tiering never leaves a node. A batch of chunk keys is one prompt's
+prefix, in order; the batch is touched back to front, so a prompt's first chunk is its
+most recently used one. Eviction then takes prefixes from their tail, which is right for
+a prefix cache: chunk i is worthless without chunks 0..i-1.
 
 Entry life: allocate -> WRITING (invisible, under a write lease) -> commit -> READY.
 A write lease that expires drops its WRITING entries and frees their space. Lookups
@@ -142,6 +145,7 @@ class Metadata:
         self.read_leases: dict[str, ReadLease] = {}
         self.write_leases: dict[str, WriteLease] = {}
         self.counters = Counters()
+        self._last_expire = clock()
 
     # -- tables -------------------------------------------------------------------------
 
@@ -184,8 +188,10 @@ class Metadata:
             if entry is None or entry.state is not State.READY:
                 break
             hits.append(entry)
-            entry.last_access = time.time()
-            entry.node.lru.move_to_end(key)
+        wall = time.time()
+        for entry in reversed(hits):
+            entry.last_access = wall
+            entry.node.lru.move_to_end(entry.key)
         self.counters.lookups += 1
         self.counters.hits += len(hits)
         self.counters.misses += len(keys) - len(hits)
@@ -236,6 +242,15 @@ class Metadata:
 
     def allocate(self, items: list[tuple[str, int]]) -> tuple[list[AllocResult], str | None]:
         """First writer wins: a key that exists or is being written is not allocated again."""
+        # A writer re-storing a prefix is using it: its existing chunks become recent (head
+        # last) and are not eviction victims for the rest of this batch; a prefix larger
+        # than memory keeps its head and gets no_space for its tail.
+        batch = set()
+        for key, _ in reversed(items):
+            entry = self.get(key)
+            if entry is not None and entry.state is State.READY:
+                entry.node.lru.move_to_end(key)
+                batch.add(key)
         results = []
         lease_id = new_id()
         lease_entries: dict[str, Entry] = {}
@@ -250,7 +265,7 @@ class Metadata:
                     self.counters.in_progress += 1
                     results.append(AllocResult(key, AllocStatus.IN_PROGRESS))
                 continue
-            placed = self._place(size)
+            placed = self._place(size, batch)
             if placed is None:
                 self.counters.no_space += 1
                 results.append(AllocResult(key, AllocStatus.NO_SPACE))
@@ -268,7 +283,7 @@ class Metadata:
         self.write_leases[lease_id] = WriteLease(lease_entries, self.clock() + self.write_lease_ttl)
         return results, lease_id
 
-    def _place(self, size: int) -> tuple[Node, int, int] | None:
+    def _place(self, size: int, protected: set[str]) -> tuple[Node, int, int] | None:
         """Put new bytes on the alive node with the most free memory, so a freshly
         (re)started empty node is filled evenly rather than flooded; evict there if full."""
         nodes = sorted((n for n in self.nodes.values() if n.alive),
@@ -278,13 +293,13 @@ class Metadata:
             if got is not None:
                 return node, *got
         for node in nodes:
-            got = self._evict_until_fits(node, size)
+            got = self._evict_until_fits(node, size, protected)
             if got is not None:
                 return node, *got
         return None
 
-    def _evict_until_fits(self, node: Node, size: int) -> tuple[int, int] | None:
-        victims = [e for e in node.lru.values() if e.readers == 0]
+    def _evict_until_fits(self, node: Node, size: int, protected: set[str]) -> tuple[int, int] | None:
+        victims = [e for e in node.lru.values() if e.readers == 0 and e.key not in protected]
         for victim in victims:
             self._drop(victim)
             self.counters.evictions += 1
@@ -297,7 +312,7 @@ class Metadata:
         """Make written entries visible. Returns key -> 'committed' or why not."""
         lease = self.write_leases.get(lease_id)
         out: dict[str, str] = {}
-        for key, checksum in items:
+        for key, checksum in reversed(items):  # head of the prefix enters the LRU last
             found = lease.entries.pop(key, None) if lease is not None else None
             if found is None:
                 out[key] = "lease_expired" if lease is None else "not_in_lease"
@@ -394,6 +409,13 @@ class Metadata:
         """Expire leases and silent nodes. Called periodically by the shell."""
         now = self.clock()
         events = Events()
+        stalled = now - self._last_expire
+        self._last_expire = now
+        if stalled > self.heartbeat_ttl / 2:
+            # The manager itself was not running (paused VM, SIGSTOP, long GC): the
+            # silence was ours, not the nodes'. Give them the stalled time back.
+            for node in self.nodes.values():
+                node.last_heartbeat += stalled
         for lease_id in [i for i, r in self.read_leases.items() if r.expires <= now]:
             for entry in self.read_leases.pop(lease_id).entries:
                 self._unref(entry)

@@ -34,6 +34,8 @@ class SlabService:
         self.buffer: SlabBuffer | None = None
         self.server: DataServer | None = None
         self.registered = asyncio.Event()
+        # Heartbeat at least three times per manager TTL, whatever was configured here.
+        self._interval = config.slab.heartbeat_interval
         self._grant_key: bytes | None = (config.security.grant_key.encode()
                                          if config.security.grant_key else None)
         self._session: aiohttp.ClientSession | None = None
@@ -105,12 +107,14 @@ class SlabService:
                 log.error("manager sent no grant key; set security.grant_key on both sides")
                 return False
             self._grant_key = bytes.fromhex(body["grant_key"])
+        ttl = body.get("heartbeat_ttl")
+        if isinstance(ttl, int | float) and ttl > 0:
+            self._interval = min(self.config.slab.heartbeat_interval, ttl / 3)
         self.registered.set()
         log.info("slab registered", node=self.node_id, incarnation=self.incarnation)
         return True
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.config.slab.heartbeat_interval
         last_error = 0.0
         while True:
             try:
@@ -127,4 +131,4 @@ class SlabService:
                 if time.monotonic() - last_error > 10:  # one line per 10 s while down
                     log.warning("manager unreachable", error=str(exc) or type(exc).__name__)
                     last_error = time.monotonic()
-            await asyncio.sleep(interval if self.registered.is_set() else min(interval, 0.2))
+            await asyncio.sleep(self._interval if self.registered.is_set() else min(self._interval, 0.2))

@@ -1,0 +1,179 @@
+"""Fixtures that start real `polarkv` processes on loopback ephemeral ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
+         token: str | None = None, timeout: float = 5.0) -> tuple[int, Any]:
+    """One HTTP request; returns (status, parsed JSON or text)."""
+    data = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, payload = resp.status, resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read()
+        ctype = exc.headers.get("Content-Type", "")
+    if "json" in ctype:
+        return status, orjson.loads(payload)
+    return status, payload.decode()
+
+
+class PolarKV:
+    """One running `polarkv` process."""
+
+    def __init__(self, workdir: Path, name: str, roles: list[str], settings: dict[str, str | None],
+                 env: dict[str, str] | None = None, config_file: Path | None = None) -> None:
+        self.workdir = workdir
+        self.name = name
+        self.ready_file = workdir / f"{name}.ready.json"
+        self.log_path = workdir / f"{name}.log"
+        args = [sys.executable, str(ROOT / "polarkv.py")]
+        for role in roles:
+            args += ["--role", role]
+        if config_file is not None:
+            args += ["--config", str(config_file)]
+        for key, value in settings.items():
+            if value is not None:  # None: leave the key to the file, env or default
+                args += ["--set", f"{key}={value}"]
+        args += ["--ready-file", str(self.ready_file)]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(args, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.info: dict[str, Any] = {}
+
+    def wait_ready(self, timeout: float = 20.0) -> PolarKV:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.info = orjson.loads(self.ready_file.read_bytes())
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        raise RuntimeError(f"{self.name} not ready in {timeout}s:\n{self.log()}")
+
+    @property
+    def manager_url(self) -> str:
+        return str(self.info["manager_url"])
+
+    @property
+    def slab_address(self) -> str:
+        return str(self.info["slab_address"])
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise
+        return self.proc.returncode
+
+    def close(self) -> None:
+        try:
+            self.terminate()
+        finally:
+            self._log.close()
+
+
+class Cluster:
+    """Starts processes for one test and stops them all afterwards."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[PolarKV] = []
+
+    def start(self, roles: list[str], settings: dict[str, str | None] | None = None,
+              name: str | None = None, env: dict[str, str] | None = None, wait: bool = True,
+              config_file: Path | None = None) -> PolarKV:
+        base: dict[str, str | None] = {"log.level": "info"}
+        if "manager" in roles or not roles:
+            base["manager.listen"] = "127.0.0.1:0"
+        if "slab" in roles or not roles:
+            base.update({"slab.listen": "127.0.0.1:0", "slab.memory": "64MiB",
+                         "slab.heartbeat_interval": "200ms", "manager.heartbeat_ttl": "1s"})
+        proc = PolarKV(self.workdir, name or f"p{len(self.procs)}", roles, {**base, **(settings or {})},
+                       env, config_file)
+        self.procs.append(proc)
+        return proc.wait_ready() if wait else proc
+
+    def manager(self, **settings: str) -> PolarKV:
+        return self.start(["manager"], {"manager.heartbeat_ttl": "1s", **_dotted(settings)})
+
+    def slab(self, manager_url: str, **settings: str) -> PolarKV:
+        proc = self.start(["slab"], {"slab.manager_url": manager_url, **_dotted(settings)})
+        wait_for(lambda: any(n["id"] == proc.info["node_id"] and n["state"] == "alive"
+                             for n in http("GET", manager_url + "/v1/nodes")[1]["nodes"]))
+        return proc
+
+    def embedded(self, **settings: str) -> PolarKV:
+        return self.start([], _dotted(settings))
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            try:
+                proc.close()
+            except Exception:
+                proc.kill()
+
+
+def _dotted(settings: dict[str, str]) -> dict[str, str]:
+    """manager__read_lease='1s' -> {'manager.read_lease': '1s'}"""
+    return {k.replace("__", "."): v for k, v in settings.items()}
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def stats(url: str) -> dict[str, int]:
+    status, body = http("GET", url + "/v1/stats")
+    assert status == 200
+    return dict(body)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()

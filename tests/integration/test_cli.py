@@ -1,0 +1,106 @@
+"""The executable: config errors are one line and a non-zero exit; signals stop it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, Cluster, http
+
+POLARKV = [sys.executable, str(ROOT / "polarkv.py")]
+
+
+def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*POLARKV, *args], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, **(env or {})}, cwd=cwd, check=False)
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--set", "manager.nope=1"], {}, "unknown config key 'manager.nope'"),
+    (["--set", "slab.memory=lots"], {}, "slab.memory: not a size: 'lots'"),
+    (["--set", "manager.read_lease=5 parsecs"], {}, "manager.read_lease: not a duration"),
+    (["--set", "nosection.key=1"], {}, "unknown config section 'nosection'"),
+    (["--set", "justtext"], {}, "expected section.key=value"),
+    ([], {"POLARKV_CLIENT__TIMEOUT": "-"}, "client.timeout: not a duration"),
+    ([], {"POLARKV_MANAGER__BOGUS": "1"}, "unknown config key 'manager.bogus'"),
+    (["--set", "manager.memory_low_watermark=0.95"], {}, "manager.memory_low_watermark"),
+    (["--set", "client.transport=carrier-pigeon"], {}, "client.transport"),
+    (["--config", "/nonexistent/polarkv.toml"], {}, "--config /nonexistent/polarkv.toml"),
+    (["--role", "disk"], {}, "the disk role runs inside a slab process"),
+    (["--role", "slab", "--role", "disk"], {}, "disk tier is not part of this version"),
+])
+def test_bad_config_is_one_line_and_nonzero(args: list[str], env: dict[str, str], message: str) -> None:
+    done = run(*args, env=env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+def test_bad_toml_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[manager]\nlisten = \n")
+    done = run("--config", str(bad))
+    assert done.returncode == 2 and "not valid TOML" in done.stderr
+    bad.write_text("[slab]\nmemory = \"12 furlongs\"\n")
+    done = run("--config", str(bad))
+    assert done.returncode == 2 and "slab.memory" in done.stderr
+
+
+def test_port_in_use_names_the_key(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run("--set", f"manager.listen=127.0.0.1:{port}", "--set", "slab.listen=127.0.0.1:0",
+                   cwd=tmp_path)
+        assert done.returncode == 2
+        assert "manager.listen: cannot listen on" in done.stderr and "in use" in done.stderr
+        done = run("--set", "manager.listen=127.0.0.1:0", "--set", f"slab.listen=127.0.0.1:{port}",
+                   cwd=tmp_path)
+        assert done.returncode == 2 and "slab.listen" in done.stderr
+
+
+def test_config_file_env_and_set_precedence(cluster: Cluster, tmp_path: Path) -> None:
+    conf = tmp_path / "polarkv.toml"
+    conf.write_text('[slab]\nmemory = "8MiB"\n[manager]\npartitions = 4\n')
+
+    def capacity(name: str, memory: str | None, env: dict[str, str]) -> int:
+        node = cluster.start([], {"slab.memory": memory}, name=name, env=env, config_file=conf)
+        capacity = int(http("GET", node.manager_url + "/v1/stats")[1]["capacity_memory"])
+        node.close()
+        return capacity
+
+    assert capacity("file", None, {}) == 8 << 20
+    assert capacity("env", None, {"POLARKV_SLAB__MEMORY": "10MiB"}) == 10 << 20
+    assert capacity("set", "12MiB", {"POLARKV_SLAB__MEMORY": "10MiB"}) == 12 << 20
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_gracefully(cluster: Cluster, sig: signal.Signals) -> None:
+    node = cluster.embedded()
+    shm_files = set(Path("/dev/shm").glob("polarkv-*.buf"))
+    start = time.monotonic()
+    node.proc.send_signal(sig)
+    assert node.proc.wait(15) == 0
+    assert time.monotonic() - start < 10
+    log = node.log()
+    assert "slab stopped" in log and "manager stopped" in log
+    # the buffer file was removed
+    assert len(set(Path("/dev/shm").glob("polarkv-*.buf"))) < len(shm_files)
+
+
+def test_admin_cli(cluster: Cluster) -> None:
+    node = cluster.embedded()
+    done = run("admin", "stats", "--url", node.manager_url)
+    assert done.returncode == 0 and '"nodes": 1' in done.stdout
+    done = run("admin", "key", "0" * 32, "--url", node.manager_url)
+    assert done.returncode == 3 and "404" in done.stderr
+    done = run("admin", "stats", "--url", "http://127.0.0.1:9")
+    assert done.returncode == 3 and "cannot reach the manager" in done.stderr

@@ -1,0 +1,116 @@
+"""One suite, every transport this machine supports (tcp, shm; rdma needs a device).
+
+Each case runs against a real slab process with regions and grants from its manager.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from polarkv_lib.client import checksum
+from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, PolarKVError
+from polarkv_lib.transport.base import Transport
+from polarkv_lib.transport.shm import ShmTransport
+from polarkv_lib.transport.tcp import TcpTransport
+from tests.conftest import Cluster, PolarKV
+from tests.integration.raw import key, post, region
+
+FACTORIES = {"tcp": TcpTransport, "shm": ShmTransport}
+# Whether the slab checks grants on this path (shm is guarded by file permissions instead).
+VERIFIES_GRANTS = {"tcp": True, "shm": False}
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
+    t = FACTORIES[request.param]()
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def node(cluster: Cluster) -> PolarKV:
+    return cluster.embedded()
+
+
+def _allocate(url: str, k: str, size: int) -> tuple[dict[str, Any], Any]:
+    reply = post(url, "/v1/allocate", {"items": [{"key": k, "size": size}]})
+    return reply, region(reply, reply["results"][0])
+
+
+def test_usable_for_its_own_node(node: PolarKV, transport: Transport) -> None:
+    _, r = _allocate(node.manager_url, key(1), 10)
+    assert transport.usable(r.node)
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 1 << 20, (3 << 20) + 17])
+def test_write_then_read_back(node: PolarKV, transport: Transport, size: int) -> None:
+    data = os.urandom(size)
+    reply, w = _allocate(node.manager_url, key(size), size)
+    transport.write_from(w, memoryview(data), time.monotonic() + 5)
+    post(node.manager_url, "/v1/commit", {"lease": reply["lease"],
+                                         "items": [{"key": key(size), "checksum": checksum(data)}]})
+    hit = post(node.manager_url, "/v1/lookup", {"keys": [key(size)]})
+    out = bytearray(size)
+    transport.read_into(region(hit, hit["entries"][0]), memoryview(out), time.monotonic() + 5)
+    assert out == data
+
+
+def test_many_transfers_reuse_the_transport(node: PolarKV, transport: Transport) -> None:
+    blobs = [os.urandom(64 * 1024) for _ in range(32)]
+    regions = []
+    for i, blob in enumerate(blobs):
+        _, r = _allocate(node.manager_url, key(1000 + i), len(blob))
+        transport.write_from(r, memoryview(blob), time.monotonic() + 5)
+        regions.append(r)
+    for blob, r in zip(blobs, regions, strict=True):
+        out = bytearray(len(blob))
+        # Where grants are checked, a WRITE grant cannot read; where they are not (shm),
+        # read back through it to check the writes did not trample each other.
+        if VERIFIES_GRANTS[transport.name]:
+            with pytest.raises(AccessDenied):
+                transport.read_into(r, memoryview(out), time.monotonic() + 5)
+        else:
+            transport.read_into(r, memoryview(out), time.monotonic() + 5)
+            assert out == blob
+
+
+def test_wrong_buffer_size_is_a_caller_error(node: PolarKV, transport: Transport) -> None:
+    _, r = _allocate(node.manager_url, key(2), 100)
+    with pytest.raises(ValueError):
+        transport.write_from(r, memoryview(bytearray(99)), time.monotonic() + 5)
+    with pytest.raises(ValueError):
+        transport.read_into(r, memoryview(bytearray(101)), time.monotonic() + 5)
+
+
+def test_deadline_in_the_past(node: PolarKV, transport: Transport) -> None:
+    _, r = _allocate(node.manager_url, key(3), 100)
+    with pytest.raises(OperationTimeout):
+        transport.write_from(r, memoryview(bytearray(100)), time.monotonic() - 1)
+
+
+def test_forged_grant(node: PolarKV, transport: Transport) -> None:
+    _, r = _allocate(node.manager_url, key(4), 100)
+    forged = bytearray(r.grant)
+    forged[-1] ^= 0xFF
+    bad = type(r)(r.node, r.offset, r.size, bytes(forged))
+    if VERIFIES_GRANTS[transport.name]:
+        with pytest.raises(AccessDenied):
+            transport.write_from(bad, memoryview(bytearray(100)), time.monotonic() + 5)
+    else:
+        transport.write_from(bad, memoryview(bytearray(100)), time.monotonic() + 5)
+
+
+def test_dead_slab_is_a_polarkv_error(node: PolarKV, transport: Transport) -> None:
+    _, r = _allocate(node.manager_url, key(5), 100)
+    node.close()  # the slab process ends and removes its buffer
+    if transport.name == "shm":
+        assert not transport.usable(r.node)
+        return
+    with pytest.raises(NetworkError):
+        transport.write_from(r, memoryview(bytearray(100)), time.monotonic() + 2)
+    assert issubclass(NetworkError, PolarKVError)
