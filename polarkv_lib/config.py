@@ -14,6 +14,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from polarkv_lib.errors import ConfigError
@@ -37,10 +38,10 @@ def parse_size(value: object) -> int:
         return value
     if not isinstance(value, str):
         raise ValueError(f"not a size: {value!r}")
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a size: {value!r} (use e.g. 512KiB, 64MiB, 4GiB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return int(Fraction(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])  # exact, unlike float
 
 
 def parse_duration(value: object) -> float:
@@ -66,7 +67,7 @@ def parse_address(value: object) -> tuple[str, int]:
         raise ValueError(f"not a host:port address: {value!r}")
     host, _, port_text = value.rpartition(":")
     host = host.strip("[]")
-    if not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not host or not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"not a host:port address: {value!r}")
     return host, int(port_text)
 
@@ -176,6 +177,7 @@ class DiskConfig:
     paths: tuple[str, ...] = _opt("list", ("./polarkv-data/disk",), "one or more directories, striped")
     capacity: int = _opt("size", 16 * 1024**3, "disk tier budget of this node")
     o_direct: bool = _opt("bool", False, "bypass the page cache for offload/reload files")
+    io_threads: int = _opt("int", 4, "parallel file operations of the disk role")
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,8 @@ def validate(config: Config) -> None:
         except ValueError as exc:
             raise ConfigError(f"slab.advertise: {exc}") from None
     need(len(config.disk.paths) >= 1, "disk.paths", "needs at least one directory")
+    need(config.disk.capacity >= 1024**2, "disk.capacity", "must be at least 1MiB")
+    need(1 <= config.disk.io_threads <= 64, "disk.io_threads", "must be between 1 and 64")
     need(c.chunk_tokens >= 1, "client.chunk_tokens", "must be >= 1")
     need(c.transport in ("auto", "tcp", "shm", "rdma"), "client.transport", "auto, tcp, shm or rdma")
     need(c.timeout > 0, "client.timeout", "must be > 0")

@@ -42,8 +42,8 @@ def _token_bytes(chunk: Sequence[int]) -> bytes:
         if packed.itemsize != 4:  # pragma: no cover - exotic platforms
             raise OverflowError
     except OverflowError:
-        if any(t < 0 for t in chunk):
-            raise ValueError("token ids must be non-negative") from None
+        if any(t < 0 or t >= 2**64 for t in chunk):
+            raise ValueError("token ids must be in [0, 2**64)") from None
         wide = array("Q", chunk)
         if sys.byteorder != "little":  # pragma: no cover
             wide.byteswap()

@@ -27,13 +27,10 @@ SHUTDOWN_BOUND = 10.0
 
 
 def resolve_roles(requested: tuple[str, ...]) -> set[str]:
-    roles = set(requested) or {"manager", "slab"}  # no role: the embedded single node
-    if "disk" in roles:
-        if "slab" not in roles:
-            raise ConfigError("--role disk: the disk role runs inside a slab process "
-                              "(paired sharding); use --role slab --role disk")
-        raise ConfigError("--role disk: the disk tier is not part of this version yet; "
-                          "run --role slab (memory tier only)")
+    roles = set(requested) or {"manager", "slab", "disk"}  # no role: the embedded single node
+    if "disk" in roles and "slab" not in roles:
+        raise ConfigError("--role disk: the disk role shares the slab's buffer in one process "
+                          "(memory and disk of a VM are paired); use --role slab --role disk")
     return roles
 
 
@@ -76,7 +73,7 @@ async def run(config: Config, roles: set[str], ready_file: str | None = None,
                 config = dataclasses.replace(
                     config, slab=dataclasses.replace(config.slab, manager_url=manager.url))
         if slab_sock is not None:
-            slab = SlabService(config)
+            slab = SlabService(config, with_disk="disk" in roles)
             await slab.start(slab_sock)
             ready["slab_address"] = slab.address
             ready["node_id"] = slab.node_id

@@ -125,8 +125,10 @@ class Cluster:
         if "slab" in roles or not roles:
             base.update({"slab.listen": "127.0.0.1:0", "slab.memory": "64MiB",
                          "slab.heartbeat_interval": "200ms", "manager.heartbeat_ttl": "1s"})
-        proc = PolarKV(self.workdir, name or f"p{len(self.procs)}", roles, {**base, **(settings or {})},
-                       env, config_file)
+        name = name or f"p{len(self.procs)}"
+        if "disk" in roles or not roles:
+            base.update({"disk.paths": str(self.workdir / f"{name}-disk"), "disk.capacity": "1GiB"})
+        proc = PolarKV(self.workdir, name, roles, {**base, **(settings or {})}, env, config_file)
         self.procs.append(proc)
         return proc.wait_ready() if wait else proc
 
@@ -139,8 +141,16 @@ class Cluster:
                              for n in http("GET", manager_url + "/v1/nodes")[1]["nodes"]))
         return proc
 
-    def embedded(self, **settings: str) -> PolarKV:
-        return self.start([], _dotted(settings))
+    def embedded(self, disk: bool = False, **settings: str) -> PolarKV:
+        """Manager and slab in one process; with `disk`, the disk role too (the default
+        `polarkv` with no role)."""
+        return self.start([] if disk else ["manager", "slab"], _dotted(settings))
+
+    def slab_disk(self, manager_url: str, **settings: str) -> PolarKV:
+        proc = self.start(["slab", "disk"], {"slab.manager_url": manager_url, **_dotted(settings)})
+        wait_for(lambda: any(n["id"] == proc.info["node_id"] and n["state"] == "alive"
+                             for n in http("GET", manager_url + "/v1/nodes")[1]["nodes"]))
+        return proc
 
     def close(self) -> None:
         for proc in reversed(self.procs):

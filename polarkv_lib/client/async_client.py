@@ -243,6 +243,13 @@ class AsyncPolarKVClient:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    @staticmethod
+    def _server_wait(deadline: float) -> float:
+        """How long the manager may wait on our behalf (for a reload, or for room that
+        offloads are making): what is left of our deadline, less time for the reply and
+        the transfer that follows."""
+        return round(max(0.0, (deadline - time.monotonic()) * 0.5), 3)
+
     async def _checksums(self, views: list[memoryview]) -> list[str]:
         if sum(len(v) for v in views) < 1 << 20:
             return [checksum(v) for v in views]
@@ -256,7 +263,8 @@ class AsyncPolarKVClient:
         for start in range(0, len(keys), self.window):
             part = range(start, min(start + self.window, len(keys)))
             reply = await self._control.post("/v1/allocate", {
-                "items": [{"key": keys[i], "size": len(views[i])} for i in part]}, deadline)
+                "items": [{"key": keys[i], "size": len(views[i])} for i in part],
+                "wait": self._server_wait(deadline)}, deadline)
             nodes = _nodes(reply)
             writes: list[tuple[int, Region]] = []
             for i, res in zip(part, reply["results"], strict=True):
@@ -283,7 +291,8 @@ class AsyncPolarKVClient:
         loaded: list[memoryview] = []
         for start in range(0, len(keys), self.window):
             part = keys[start: start + self.window]
-            reply = await self._control.post("/v1/lookup", {"keys": part}, deadline)
+            reply = await self._control.post("/v1/lookup", {"keys": part, "wait": self._server_wait(deadline)},
+                                             deadline)
             entries = reply["entries"]
             if not entries:
                 break

@@ -30,6 +30,7 @@ class Allocator:
         self._start: dict[int, int] = {}  # free extent start -> length
         self._end: dict[int, int] = {}  # free extent end -> start
         self._bins: dict[int, set[int]] = {}  # length.bit_length() -> starts
+        self._live: dict[int, int] = {}  # allocated start -> length: frees must match one
         if self.capacity:
             self._add(0, self.capacity)
 
@@ -72,11 +73,13 @@ class Allocator:
         if length > need:
             self._add(found + need, length - need)
         self.used += need
+        self._live[found] = need
         return found, need
 
     def release(self, offset: int, length: int) -> None:
-        if offset in self._start or offset < 0 or offset + length > self.capacity:
-            raise ValueError(f"bad free of [{offset}, {offset + length})")
+        if self._live.get(offset) != length:
+            raise ValueError(f"bad free of [{offset}, {offset + length}): not an allocation")
+        del self._live[offset]
         self.used -= length
         start, end = offset, offset + length
         left = self._end.get(start)

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from polarkv_lib.config import Config
 from polarkv_lib.errors import BadRequest
 from polarkv_lib.keys import is_valid_key
-from polarkv_lib.manager.metadata import AllocStatus, Entry, Metadata, Node
+from polarkv_lib.manager.metadata import AllocStatus, Entry, Metadata, Node, State
 from polarkv_lib.manager.metrics import ManagerMetrics
 from polarkv_lib.manager.openapi import openapi_spec
 from polarkv_lib.wire import control
@@ -44,8 +44,10 @@ class ManagerService:
     def __init__(self, config: Config) -> None:
         m = config.manager
         self.config = config
-        self.meta = Metadata(m.partitions, m.read_lease, m.write_lease, m.heartbeat_ttl)
-        self.metrics = ManagerMetrics(self.meta.stats)
+        self.meta = Metadata(m.partitions, m.read_lease, m.write_lease, m.heartbeat_ttl,
+                             memory_high=m.memory_high_watermark, memory_low=m.memory_low_watermark,
+                             disk_high=m.disk_high_watermark)
+        self.metrics = ManagerMetrics(self.meta.stats, self._tier_failures, self.meta.node_views)
         self.limits = control.Limits(m.max_batch, m.max_object_size)
         sec = config.security
         # Without a configured key the manager makes one and hands it to slabs when they
@@ -56,6 +58,11 @@ class ManagerService:
         self._admin_token = sec.admin_token
         self.app = web.Application(client_max_size=m.max_body_size, middlewares=[self._middleware])
         self._add_routes()
+        # Tiering hand-offs: each node's disk role long-polls for orders; lookups wait on
+        # reloads; writes wait for room that offloads are making.
+        self._order_events: dict[str, asyncio.Event] = {}
+        self._reloads: dict[int, asyncio.Future[None]] = {}  # entry gen -> reload settled
+        self._freed = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.url = ""
@@ -78,6 +85,9 @@ class ManagerService:
         r.add_post("/v1/nodes/register", self.register)
         r.add_post("/v1/nodes/heartbeat", self.heartbeat)
         r.add_post("/v1/nodes/unregister", self.unregister)
+        r.add_post("/v1/nodes/orders", self.orders)
+        r.add_post("/v1/nodes/done", self.done)
+        r.add_post("/v1/nodes/adopt", self.adopt)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -108,6 +118,48 @@ class ManagerService:
                 log.warning("node died", node=node_id, reason="heartbeat timeout")
             if events.expired_writes:
                 log.info("write leases expired", count=events.expired_writes)
+            self._settle_stale_reloads()
+            self._signal_freed()
+            self._kick()
+
+    # -- tiering hand-offs --------------------------------------------------------------
+
+    def _tier_failures(self) -> dict[str, int]:
+        return dict(self.meta.counters.tier_failures)
+
+    def _kick(self) -> None:
+        """Plan tiering and wake the disk roles that have orders now."""
+        self.meta.plan_tiering()
+        for node in self.meta.nodes.values():
+            if node.orders:
+                event = self._order_events.get(node.node_id)
+                if event is not None:
+                    event.set()
+
+    def _signal_freed(self) -> None:
+        """Wake every writer waiting for room; each re-checks and waits again if needed."""
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    def _reload_future(self, gen: int) -> asyncio.Future[None]:
+        future = self._reloads.get(gen)
+        if future is None:
+            future = self._reloads[gen] = asyncio.get_running_loop().create_future()
+        return future
+
+    def _settle_reload(self, gen: int) -> None:
+        future = self._reloads.pop(gen, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def _settle_stale_reloads(self) -> None:
+        live = {gen for node in self.meta.nodes.values() for gen in node.reloads}
+        for gen in [g for g in self._reloads if g not in live]:
+            self._settle_reload(gen)
+
+    def _room_coming(self) -> bool:
+        return any(n.alive and n.has_disk and (n.offloading_bytes or n.orders)
+                   for n in self.meta.nodes.values())
 
     # -- middleware ---------------------------------------------------------------------
 
@@ -210,16 +262,74 @@ class ManagerService:
 
     async def lookup(self, request: web.Request) -> web.Response:
         req = control.parse_lookup(await self._body(request), self.limits)
-        hits, lease = self.meta.lookup(req.keys, req.lease)
+        hits, lease = await self._lookup(req)
         nodes: dict[str, Any] = {}
         ttl = self.meta.read_lease_ttl
         entries = [self._entry_view(e, Op.READ, ttl, nodes) for e in hits] if lease else [
             {"key": e.key, "size": e.size, "checksum": e.checksum} for e in hits]
         return json_response({"hits": len(hits), "lease": lease, "nodes": nodes, "entries": entries})
 
+    async def _lookup(self, req: control.LookupRequest) -> tuple[list[Entry], str | None]:
+        """The longest prefix in memory, after waiting (up to req.wait) for disk hits to be
+        reloaded by their own node, and for room when reloads lack memory right now."""
+        deadline = time.monotonic() + req.wait
+        served: list[Entry] = []
+        lease: str | None = None
+        while True:
+            rest = req.keys[len(served):]
+            hits, lease = self.meta.lookup(rest, req.lease, lease)
+            pending = [self._reload_future(e.gen) for e in hits if e.reloading]
+            settled = hits
+            if pending:
+                self._kick()
+                await asyncio.wait(pending, timeout=max(deadline - time.monotonic(), 0.0))
+                settled = self.meta.settle_lookup(lease, hits)
+                if lease not in self.meta.read_leases:
+                    lease = None
+            served += settled
+            if not req.lease or len(served) == len(req.keys) or len(settled) < len(hits):
+                return served, lease  # all served, a probe, or a reload failed / ran late
+            # The prefix stopped at a disk entry that had no memory to reload into. If this
+            # pass made progress, memory may be free now: go on at once. Otherwise wait
+            # for the room that offloads are making, if any are.
+            stop = self.meta.get(req.keys[len(served)])
+            left = deadline - time.monotonic()
+            if stop is None or stop.state is not State.READY or stop.in_memory or left <= 0:
+                return served, lease
+            if not settled:
+                self._kick()
+                if not self._room_coming():
+                    return served, lease
+                try:
+                    await asyncio.wait_for(self._freed.wait(), left)
+                except TimeoutError:
+                    return served, lease
+            self.meta.counters.lookups -= 1  # one request, however many passes
+            self.meta.counters.misses -= len(req.keys) - len(served)
+
     async def allocate(self, request: web.Request) -> web.Response:
-        items = control.parse_allocate(await self._body(request), self.limits)
-        results, lease = self.meta.allocate([(i.key, i.size) for i in items])
+        req = control.parse_allocate(await self._body(request), self.limits)
+        items = [(i.key, i.size) for i in req.items]
+        results, lease = self.meta.allocate(items)
+        deadline = time.monotonic() + req.wait
+        while True:  # under pressure, writes wait for the room offloads are making
+            missing = [i for i, r in enumerate(results) if r.status is AllocStatus.NO_SPACE]
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
+                break
+            self._kick()
+            if not self._room_coming():
+                break
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except TimeoutError:
+                break
+            self.meta.counters.no_space -= len(missing)  # counted once, on the final answer
+            retry, again = self.meta.allocate([items[i] for i in missing], lease)
+            lease = lease or again
+            for i, res in zip(missing, retry, strict=True):
+                results[i] = res
+        self._kick()
         nodes: dict[str, Any] = {}
         ttl = self.meta.write_lease_ttl
         out = []
@@ -234,11 +344,15 @@ class ManagerService:
 
     async def commit(self, request: web.Request) -> web.Response:
         req = control.parse_commit(await self._body(request), self.limits)
-        return json_response({"results": self.meta.commit(req.lease, req.items)})
+        results = self.meta.commit(req.lease, req.items)
+        self._kick()
+        return json_response({"results": results})
 
     async def abort(self, request: web.Request) -> web.Response:
         req = control.parse_abort(await self._body(request), self.limits)
-        return json_response({"aborted": self.meta.abort(req.lease, req.keys)})
+        aborted = self.meta.abort(req.lease, req.keys)
+        self._signal_freed()
+        return json_response({"aborted": aborted})
 
     async def release(self, request: web.Request) -> web.Response:
         req = control.parse_release(await self._body(request), self.limits)
@@ -246,6 +360,7 @@ class ManagerService:
         released = self.meta.release(req.leases, req.corrupt)
         if self.meta.counters.checksum_failures > before:
             log.warning("checksum mismatch reported", keys=req.corrupt)
+        self._signal_freed()
         return json_response({"released": released})
 
     async def renew(self, request: web.Request) -> web.Response:
@@ -257,10 +372,11 @@ class ManagerService:
     async def register(self, request: web.Request) -> web.Response:
         req = control.parse_register(await self._body(request))
         node, is_new = self.meta.register(req.node_id, req.incarnation, req.address, req.capacity,
-                                          req.shm_path, req.host_id, req.transports)
+                                          req.shm_path, req.host_id, req.transports, req.disk_capacity)
         if is_new:
             log.info("node joined", node=node.node_id, address=node.address,
-                     incarnation=node.incarnation, capacity=node.capacity)
+                     incarnation=node.incarnation, capacity=node.capacity,
+                     disk_capacity=node.disk_capacity)
         body: dict[str, Any] = {"node_id": node.node_id, "incarnation": node.incarnation,
                                 "heartbeat_ttl": self.meta.heartbeat_ttl}
         if self._grant_key_shared:
@@ -268,8 +384,8 @@ class ManagerService:
         return json_response(body)
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        ref = control.parse_node_ref(await self._body(request))
-        if not self.meta.heartbeat(ref.node_id, ref.incarnation):
+        ref, reported = control.parse_heartbeat(await self._body(request))
+        if not self.meta.heartbeat(ref.node_id, ref.incarnation, reported):
             return error_response("unknown node or incarnation; register again", 404)
         return json_response({"ok": True})
 
@@ -279,3 +395,48 @@ class ManagerService:
             return error_response("unknown node or incarnation", 404)
         log.info("node left", node=ref.node_id)
         return json_response({"ok": True})
+
+    async def orders(self, request: web.Request) -> web.Response:
+        """Long poll of a node's disk role: its pending orders, or none after `wait`."""
+        ref, wait = control.parse_orders(await self._body(request))
+        if self.meta.node(ref.node_id, ref.incarnation) is None:
+            return error_response("unknown node or incarnation; register again", 404)
+        orders = self.meta.take_orders(ref.node_id)
+        if not orders and wait > 0:
+            event = self._order_events.setdefault(ref.node_id, asyncio.Event())
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), wait)
+            except TimeoutError:
+                pass
+            if self.meta.node(ref.node_id, ref.incarnation) is not None:
+                orders = self.meta.take_orders(ref.node_id)
+        return json_response({"orders": orders})
+
+    async def done(self, request: web.Request) -> web.Response:
+        """A disk role reports finished orders."""
+        ref, results = control.parse_done(await self._body(request), self.limits)
+        if self.meta.node(ref.node_id, ref.incarnation) is None:
+            return error_response("unknown node or incarnation; register again", 404)
+        for r in results:
+            if r.op == "offload":
+                self.meta.offload_done(ref.node_id, r.key, r.gen, r.ok, r.reason, r.file_bytes)
+                self.metrics.offload_seconds.observe(r.seconds)
+            elif r.op == "reload":
+                self.meta.reload_done(ref.node_id, r.key, r.gen, r.ok, r.reason)
+                self.metrics.reload_seconds.observe(r.seconds)
+                self._settle_reload(r.gen)
+            if not r.ok:
+                log.warning(f"{r.op} failed", node=ref.node_id, key=r.key, reason=r.reason)
+        self._signal_freed()
+        self._kick()
+        return json_response({"ok": True})
+
+    async def adopt(self, request: web.Request) -> web.Response:
+        """A slab with a disk reports the files it found at start."""
+        ref, files = control.parse_adopt(await self._body(request), self.limits)
+        delete = self.meta.adopt(ref.node_id, ref.incarnation, files)
+        if delete is None:
+            return error_response("unknown node or incarnation, or no disk role", 404)
+        self._kick()
+        return json_response({"adopted": len(files) - len(delete), "delete": delete})

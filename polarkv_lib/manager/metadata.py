@@ -1,25 +1,33 @@
-"""The manager's metadata core: entries, nodes, leases, placement and LRU. Synchronous.
+"""The manager's metadata core: entries, nodes, leases, placement, LRUs and tiering orders.
 
-No method here awaits or does I/O; the aiohttp shell (manager/app.py) calls them and
-does whatever I/O follows. That keeps every state transition testable on its own.
+Synchronous: no method awaits or does I/O. The aiohttp shell (manager/app.py) calls
+them and does the I/O that follows: it answers clients, and hands each node's disk role
+the orders queued on `Node.orders`. That keeps every state transition testable alone.
 
 Tables: entries live in `partitions` hash tables split by key range (the first 32 bits
 of the key pick the partition), so a later manager can shard by handing out ranges.
-Each node keeps the LRU of its ready memory entries: eviction and (later) offload are
-per node, because tiering never leaves a node. A batch of chunk keys is one prompt's
-prefix, in order; the batch is touched back to front, so a prompt's first chunk is its
-most recently used one. Eviction then takes prefixes from their tail, which is right for
-a prefix cache: chunk i is worthless without chunks 0..i-1.
 
 Entry life: allocate -> WRITING (invisible, under a write lease) -> commit -> READY.
-A write lease that expires drops its WRITING entries and frees their space. Lookups
-return the longest READY prefix and may take a read lease on it; nothing under a read
-lease is evicted or reused. An entry dropped while leased (delete, corruption report)
-leaves the table at once but keeps its extent until the last reader lets go.
+A READY entry lives in memory, on its node's disk, or both; tiering never moves it to
+another node. Lookups return the longest READY prefix and may take a read lease on it;
+nothing under a read lease is evicted, offloaded away or reused.
+
+Per-node LRUs, one per tier. A batch of chunk keys is one prompt's prefix, in order; the
+batch is touched back to front, so a prompt's first chunk is its most recently used one.
+Eviction and offload then take prefixes from their tail, which is right for a prefix
+cache: chunk i is worthless without chunks 0..i-1.
+
+Tiering (nodes with a disk role): memory use is capped at the high watermark. When the
+next allocation would not fit under it, the LRU unleased entries of that node are
+offloaded to its own disk until use drops to the low watermark; an entry that still has
+a valid file just drops its memory copy. A lookup that reaches a disk-only entry
+allocates memory on the same node and queues a reload; the shell waits for it. Above
+the disk high watermark the oldest files go. Nodes without a disk role evict instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from collections import OrderedDict
@@ -28,7 +36,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from polarkv_lib.manager.allocator import Allocator
+from polarkv_lib.manager.allocator import Allocator, size_class
+
+# A dropped WRITING entry's space waits this long past its write grant's expiry before
+# reuse, so a writer that started just before the grant expired cannot land its bytes
+# in somebody else's entry.
+WRITE_GRACE = 2.0
+# Orders a disk role has not answered within this long are given up.
+ORDER_TIMEOUT = 60.0
+# Disk LRU deletion goes this far below the disk high watermark, so it runs in batches.
+DISK_HYSTERESIS = 0.05
 
 
 class State(StrEnum):
@@ -54,15 +71,30 @@ class Node:
     transports: list[str]
     last_heartbeat: float  # monotonic
     last_heartbeat_wall: float
+    disk_capacity: int = 0  # 0: no disk role in this node's process
     allocator: Allocator = field(init=False)
     alive: bool = True
-    # ready memory entries, least recently used first
+    # ready entries with a memory copy, least recently used first
     lru: OrderedDict[str, Entry] = field(default_factory=OrderedDict)
+    # entries with a file on this node's disk, least recently used first
+    disk_lru: OrderedDict[str, Entry] = field(default_factory=OrderedDict)
     entries: set[str] = field(default_factory=set)
     ready_bytes: int = 0
+    disk_used: int = 0
+    offloading_bytes: int = 0
+    last_alloc: int = 0  # size class of the latest allocation: the room the next one needs
+    pressure: int = 0  # bytes refused for room since the last offload plan
+    reloads: dict[int, Entry] = field(default_factory=dict)  # by entry gen
+    orders: list[dict[str, Any]] = field(default_factory=list)
+    quarantine: list[tuple[float, int, int]] = field(default_factory=list)
+    reported: dict[str, int] = field(default_factory=dict)  # the slab's own counters
 
     def __post_init__(self) -> None:
         self.allocator = Allocator(self.capacity)
+
+    @property
+    def has_disk(self) -> bool:
+        return self.disk_capacity > 0
 
 
 @dataclass(eq=False, slots=True)
@@ -71,14 +103,21 @@ class Entry:
     size: int
     node: Node
     offset: int
-    alloc_size: int
+    alloc_size: int  # 0: no memory extent
     state: State
     created: float
     last_access: float
+    gen: int = 0  # tells this entry's orders from those of an older entry of the same key
     checksum: str = ""
     readers: int = 0
     write_lease: str | None = None
-    dropped: bool = False  # out of the table; extent waits for the last reader
+    dropped: bool = False  # out of the table; extent waits for readers / in-flight I/O
+    in_memory: bool = True
+    on_disk: bool = False
+    file_bytes: int = 0
+    offloading: bool = False
+    reloading: bool = False
+    order_deadline: float = 0.0
 
 
 @dataclass(slots=True)
@@ -96,6 +135,8 @@ class WriteLease:
 @dataclass(slots=True)
 class Counters:
     hits: int = 0
+    hits_memory: int = 0
+    hits_disk: int = 0
     misses: int = 0
     lookups: int = 0
     allocations: int = 0
@@ -105,12 +146,18 @@ class Counters:
     commits: int = 0
     aborts: int = 0
     evictions: int = 0
+    offloads: int = 0
+    offload_bytes: int = 0
+    reloads: int = 0
+    reload_bytes: int = 0
+    disk_evictions: int = 0
     expired_writes: int = 0
     expired_reads: int = 0
     checksum_failures: int = 0
     deletes: int = 0
     nodes_died: int = 0
     entries_lost: int = 0
+    tier_failures: dict[str, int] = field(default_factory=dict)  # "offload_disk_full": n
 
 
 @dataclass(slots=True)
@@ -135,16 +182,21 @@ def new_id() -> str:
 
 class Metadata:
     def __init__(self, partitions: int, read_lease: float, write_lease: float, heartbeat_ttl: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, memory_high: float = 0.90,
+                 memory_low: float = 0.80, disk_high: float = 0.95) -> None:
         self.partitions: list[dict[str, Entry]] = [{} for _ in range(partitions)]
         self.read_lease_ttl = read_lease
         self.write_lease_ttl = write_lease
         self.heartbeat_ttl = heartbeat_ttl
+        self.memory_high = memory_high
+        self.memory_low = memory_low
+        self.disk_high = disk_high
         self.clock = clock
         self.nodes: dict[str, Node] = {}
         self.read_leases: dict[str, ReadLease] = {}
         self.write_leases: dict[str, WriteLease] = {}
         self.counters = Counters()
+        self._gens = itertools.count(1)
         self._last_expire = clock()
 
     # -- tables -------------------------------------------------------------------------
@@ -156,52 +208,156 @@ class Metadata:
         return self.table(key).get(key)
 
     def _drop(self, entry: Entry) -> None:
-        """Take an entry out of every index; free its extent once nobody reads it."""
+        """Take an entry out of every index and delete its file; its memory extent is
+        freed once nobody reads it and no reload is writing into it."""
         if entry.dropped:
             return
         entry.dropped = True
         self.table(entry.key).pop(entry.key, None)
         node = entry.node
         node.entries.discard(entry.key)
-        if node.lru.pop(entry.key, None) is not None:
-            node.ready_bytes -= entry.size
-        if entry.readers == 0:
-            self._free(entry)
+        self._forget_memory(entry)
+        if entry.on_disk:
+            self._forget_file(entry, delete=True)
+        if entry.offloading:  # its file will be deleted when the offload reports back
+            entry.offloading = False
+            node.offloading_bytes -= entry.alloc_size
+        self._maybe_free(entry)
 
-    def _free(self, entry: Entry) -> None:
-        if entry.node.alive:
+    def _forget_memory(self, entry: Entry) -> None:
+        if entry.node.lru.pop(entry.key, None) is not None:
+            entry.node.ready_bytes -= entry.size
+
+    def _forget_file(self, entry: Entry, delete: bool) -> None:
+        node = entry.node
+        if node.disk_lru.pop(entry.key, None) is not None:
+            node.disk_used -= entry.file_bytes
+        entry.on_disk = False
+        if delete and node.alive and node.has_disk:
+            node.orders.append(self._order("delete", entry))
+
+    def _maybe_free(self, entry: Entry) -> None:
+        if entry.readers or entry.reloading or not entry.alloc_size:
+            return
+        if not entry.node.alive:
+            entry.alloc_size = 0
+            return
+        if entry.state is State.WRITING:
+            lease = self.write_leases.get(entry.write_lease or "")
+            until = max(lease.expires if lease else 0.0, self.clock()) + WRITE_GRACE
+            entry.node.quarantine.append((until, entry.offset, entry.alloc_size))
+        else:
             entry.node.allocator.release(entry.offset, entry.alloc_size)
+        entry.alloc_size = 0
+        entry.in_memory = False
+
+    def _release_memory_copy(self, entry: Entry) -> None:
+        """An entry with a valid file gives its memory back (no rewrite needed)."""
+        self._forget_memory(entry)
+        entry.node.allocator.release(entry.offset, entry.alloc_size)
+        entry.alloc_size = 0
+        entry.in_memory = False
 
     def _unref(self, entry: Entry) -> None:
         entry.readers -= 1
         if entry.readers == 0 and entry.dropped:
-            self._free(entry)
+            self._maybe_free(entry)
+
+    def _order(self, op: str, entry: Entry) -> dict[str, Any]:
+        return {"op": op, "key": entry.key, "gen": entry.gen, "node": entry.node.node_id,
+                "offset": entry.offset, "size": entry.size, "extent": entry.alloc_size,
+                "checksum": entry.checksum}
 
     # -- reads --------------------------------------------------------------------------
 
-    def lookup(self, keys: list[str], take_lease: bool) -> tuple[list[Entry], str | None]:
-        """The longest ready prefix of `keys`, touched in its node's LRU."""
+    def lookup(self, keys: list[str], take_lease: bool, lease_id: str | None = None
+               ) -> tuple[list[Entry], str | None]:
+        """The longest ready prefix of `keys`, touched in its nodes' LRUs. With a lease,
+        disk-only entries in it get a reload queued (entry.reloading): the caller waits
+        for those and then calls `settle_lookup`. Without a lease nothing moves.
+        `lease_id` extends an open read lease (the same request, continued)."""
         now = self.clock()
         hits: list[Entry] = []
+        seen: set[str] = set()
         for key in keys:
             entry = self.get(key)
             if entry is None or entry.state is not State.READY:
                 break
+            if not entry.in_memory and not entry.reloading:
+                if not take_lease:
+                    hits.append(entry)  # a probe: it is there, on disk
+                    continue
+                if not self._start_reload(entry, protected=seen):
+                    self._note_reload_pressure(entry.node, keys[len(hits) + 1:])
+                    break  # no memory for it now: the prefix ends here
             hits.append(entry)
+            seen.add(key)
         wall = time.time()
         for entry in reversed(hits):
             entry.last_access = wall
-            entry.node.lru.move_to_end(entry.key)
+            if entry.in_memory:
+                entry.node.lru.move_to_end(entry.key)
+            if entry.on_disk:
+                entry.node.disk_lru.move_to_end(entry.key)
+        on_disk = sum(1 for e in hits if e.reloading or not e.in_memory)
         self.counters.lookups += 1
         self.counters.hits += len(hits)
+        self.counters.hits_disk += on_disk
+        self.counters.hits_memory += len(hits) - on_disk
         self.counters.misses += len(keys) - len(hits)
         if not take_lease or not hits:
-            return hits, None
-        lease_id = new_id()
+            return hits, lease_id if lease_id in self.read_leases else None
         for entry in hits:
             entry.readers += 1
-        self.read_leases[lease_id] = ReadLease(hits, now + self.read_lease_ttl)
+        lease = self.read_leases.get(lease_id or "")
+        if lease is not None and lease_id:
+            lease.entries.extend(hits)
+            return hits, lease_id
+        lease_id = new_id()
+        self.read_leases[lease_id] = ReadLease(list(hits), now + self.read_lease_ttl)
         return hits, lease_id
+
+    def settle_lookup(self, lease_id: str | None, hits: list[Entry]) -> list[Entry]:
+        """After waiting for reloads: the prefix that is in memory now. The rest leaves
+        the lease and its hits become misses."""
+        served = next((i for i, e in enumerate(hits) if not e.in_memory or e.dropped), len(hits))
+        if served == len(hits):
+            return hits
+        gone = hits[served:]
+        self.counters.hits -= len(gone)
+        self.counters.hits_disk -= len(gone)
+        self.counters.misses += len(gone)
+        lease = self.read_leases.get(lease_id or "")
+        if lease is not None:
+            for entry in gone:
+                self._unref(entry)
+            del lease.entries[len(lease.entries) - len(gone):]  # `hits` is the lease's tail
+            if not lease.entries:
+                del self.read_leases[lease_id or ""]
+        return hits[:served]
+
+    def _note_reload_pressure(self, node: Node, following: list[str]) -> None:
+        """The rest of a prompt on this node's disk will want memory too: ask the next
+        offload plan for all of it at once rather than one chunk per round."""
+        for key in following:
+            entry = self.get(key)
+            if entry is None or entry.node is not node or entry.in_memory or entry.reloading:
+                break
+            node.pressure += size_class(entry.size)
+
+    def _start_reload(self, entry: Entry, protected: set[str]) -> bool:
+        node = entry.node
+        if not node.alive or not node.has_disk:
+            return False
+        got = self._alloc_on(node, entry.size, protected)
+        if got is None:
+            return False
+        entry.offset, entry.alloc_size = got
+        entry.reloading = True
+        node.reloads[entry.gen] = entry
+        entry.order_deadline = self.clock() + ORDER_TIMEOUT
+        node.orders.append(self._order("reload", entry))
+        return True
 
     def release(self, lease_ids: Iterable[str], corrupt: Iterable[str] = ()) -> int:
         """End read leases. `corrupt` keys (failed checksums) are dropped, but only if
@@ -240,8 +396,10 @@ class Metadata:
 
     # -- writes -------------------------------------------------------------------------
 
-    def allocate(self, items: list[tuple[str, int]]) -> tuple[list[AllocResult], str | None]:
-        """First writer wins: a key that exists or is being written is not allocated again."""
+    def allocate(self, items: list[tuple[str, int]], lease_id: str | None = None
+                 ) -> tuple[list[AllocResult], str | None]:
+        """First writer wins: a key that exists or is being written is not allocated
+        again. `lease_id` adds the new entries to an open write lease (a retry)."""
         # A writer re-storing a prefix is using it: its existing chunks become recent (head
         # last) and are not eviction victims for the rest of this batch; a prefix larger
         # than memory keeps its head and gets no_space for its tail.
@@ -249,11 +407,13 @@ class Metadata:
         for key, _ in reversed(items):
             entry = self.get(key)
             if entry is not None and entry.state is State.READY:
-                entry.node.lru.move_to_end(key)
+                if entry.in_memory:
+                    entry.node.lru.move_to_end(key)
                 batch.add(key)
         results = []
-        lease_id = new_id()
-        lease_entries: dict[str, Entry] = {}
+        lease = self.write_leases.get(lease_id or "")
+        lease_key = lease_id if lease is not None and lease_id else new_id()
+        lease_entries: dict[str, Entry] = lease.entries if lease is not None else {}
         wall = time.time()
         for key, size in items:
             entry = self.get(key)
@@ -272,7 +432,7 @@ class Metadata:
                 continue
             node, offset, alloc_size = placed
             entry = Entry(key, size, node, offset, alloc_size, State.WRITING, wall, wall,
-                          write_lease=lease_id)
+                          gen=next(self._gens), write_lease=lease_key)
             self.table(key)[key] = entry
             node.entries.add(key)
             lease_entries[key] = entry
@@ -280,32 +440,65 @@ class Metadata:
             results.append(AllocResult(key, AllocStatus.ALLOCATED, entry))
         if not lease_entries:
             return results, None
-        self.write_leases[lease_id] = WriteLease(lease_entries, self.clock() + self.write_lease_ttl)
-        return results, lease_id
+        if lease is None:
+            self.write_leases[lease_key] = WriteLease(lease_entries, self.clock() + self.write_lease_ttl)
+        return results, lease_key
 
     def _place(self, size: int, protected: set[str]) -> tuple[Node, int, int] | None:
         """Put new bytes on the alive node with the most free memory, so a freshly
-        (re)started empty node is filled evenly rather than flooded; evict there if full."""
+        (re)started empty node is filled evenly rather than flooded; make room there if
+        it is full (drop clean memory copies; evict on nodes without a disk)."""
         nodes = sorted((n for n in self.nodes.values() if n.alive),
                        key=lambda n: n.allocator.free, reverse=True)
-        for node in nodes:
-            got = node.allocator.alloc(size)
-            if got is not None:
-                return node, *got
-        for node in nodes:
-            got = self._evict_until_fits(node, size, protected)
-            if got is not None:
-                return node, *got
+        for make_room in (False, True):
+            for node in nodes:
+                got = self._alloc_on(node, size, protected, make_room)
+                if got is not None:
+                    node.last_alloc = got[1]
+                    return node, *got
         return None
 
-    def _evict_until_fits(self, node: Node, size: int, protected: set[str]) -> tuple[int, int] | None:
-        victims = [e for e in node.lru.values() if e.readers == 0 and e.key not in protected]
-        for victim in victims:
-            self._drop(victim)
-            self.counters.evictions += 1
+    def _memory_limit(self, node: Node) -> int:
+        # Nodes with a disk keep their memory under the high watermark; offload keeps
+        # room below it. Nodes without one use all of it and evict.
+        cap = node.allocator.capacity
+        return int(cap * self.memory_high) if node.has_disk else cap
+
+    def _alloc_on(self, node: Node, size: int, protected: set[str], make_room: bool = True
+                  ) -> tuple[int, int] | None:
+        need = size_class(size)
+        limit = self._memory_limit(node)
+        if node.allocator.used + need <= limit:
             got = node.allocator.alloc(size)
             if got is not None:
                 return got
+        if not make_room:
+            return None
+        got = self._make_room(node, size, need, limit, protected)
+        if got is None and node.has_disk:
+            node.pressure += need  # the next offload plan makes room for this too
+        return got
+
+    def _make_room(self, node: Node, size: int, need: int, limit: int, protected: set[str]
+                   ) -> tuple[int, int] | None:
+        """Free memory on `node` until `size` fits: first memory copies that also have a
+        file (free to drop), then, on nodes without a disk, the LRU entries themselves.
+        Gives up without touching anything if even that could not make it fit."""
+        movable = [e for e in node.lru.values()
+                   if e.readers == 0 and not e.offloading and e.key not in protected
+                   and (e.on_disk or not node.has_disk)]
+        if node.allocator.used - sum(e.alloc_size for e in movable) + need > limit:
+            return None
+        for victim in movable:
+            if victim.on_disk:
+                self._release_memory_copy(victim)
+            else:
+                self._drop(victim)
+                self.counters.evictions += 1
+            if node.allocator.used + need <= limit:
+                got = node.allocator.alloc(size)
+                if got is not None:
+                    return got
         return None
 
     def commit(self, lease_id: str, items: list[tuple[str, str]]) -> dict[str, str]:
@@ -313,6 +506,8 @@ class Metadata:
         lease = self.write_leases.get(lease_id)
         out: dict[str, str] = {}
         for key, checksum in reversed(items):  # head of the prefix enters the LRU last
+            if key in out:
+                continue
             found = lease.entries.pop(key, None) if lease is not None else None
             if found is None:
                 out[key] = "lease_expired" if lease is None else "not_in_lease"
@@ -338,13 +533,179 @@ class Metadata:
             return 0
         victims = list(lease.entries) if keys is None else [k for k in keys if k in lease.entries]
         for key in victims:
-            entry = lease.entries.pop(key)
+            entry = lease.entries[key]
             if not entry.dropped:
                 self._drop(entry)
                 self.counters.aborts += 1
+            del lease.entries[key]
         if not lease.entries:
             del self.write_leases[lease_id]
         return len(victims)
+
+    # -- tiering ------------------------------------------------------------------------
+
+    def plan_tiering(self) -> list[str]:
+        """Queue offloads and disk deletions where watermarks say so. Returns the ids
+        of nodes that got new orders."""
+        touched = []
+        for node in self.nodes.values():
+            if node.alive and node.has_disk:
+                before = len(node.orders)
+                self._plan_disk(node)
+                self._plan_offload(node)
+                if len(node.orders) > before:
+                    touched.append(node.node_id)
+        return touched
+
+    def _plan_offload(self, node: Node) -> None:
+        limit = self._memory_limit(node)
+        if node.allocator.used + max(node.pressure, node.last_alloc) <= limit:
+            return
+        target = max(0, min(int(node.allocator.capacity * self.memory_low), limit - node.pressure))
+        node.pressure = 0
+        projected = node.allocator.used - node.offloading_bytes
+        now = self.clock()
+        for entry in list(node.lru.values()):
+            if projected <= target:
+                break
+            if entry.readers or entry.offloading:
+                continue
+            if entry.on_disk:
+                projected -= entry.alloc_size
+                self._release_memory_copy(entry)
+                continue
+            if not self._disk_room(node, entry.size):
+                break
+            entry.offloading = True
+            entry.order_deadline = now + ORDER_TIMEOUT
+            node.offloading_bytes += entry.alloc_size
+            projected -= entry.alloc_size
+            node.orders.append(self._order("offload", entry))
+
+    def _disk_room(self, node: Node, size: int) -> bool:
+        """Make room on the disk for one more file by deleting the oldest ones."""
+        budget = node.disk_capacity * self.disk_high
+        need = size + 4096
+        pending = sum(int(o["size"]) + 4096 for o in node.orders if o["op"] == "offload")
+        victims = [e for e in node.disk_lru.values() if not e.reloading and e.readers == 0]
+        for victim in victims:
+            if node.disk_used + pending + need <= budget:
+                break
+            self._evict_file(victim)
+        return node.disk_used + pending + need <= budget
+
+    def _plan_disk(self, node: Node) -> None:
+        if node.disk_used <= node.disk_capacity * self.disk_high:
+            return
+        target = node.disk_capacity * max(self.disk_high - DISK_HYSTERESIS, 0.0)
+        for victim in [e for e in node.disk_lru.values() if not e.reloading and e.readers == 0]:
+            if node.disk_used <= target:
+                break
+            self._evict_file(victim)
+
+    def _evict_file(self, entry: Entry) -> None:
+        self.counters.disk_evictions += 1
+        if entry.in_memory:
+            self._forget_file(entry, delete=True)
+        else:
+            self._drop(entry)
+
+    def _tier_failure(self, op: str, reason: str) -> None:
+        name = f"{op}_{reason}"
+        self.counters.tier_failures[name] = self.counters.tier_failures.get(name, 0) + 1
+
+    def _ordered_entry(self, node: Node, key: str, gen: int) -> Entry | None:
+        entry = self.get(key)
+        if entry is None or entry.gen != gen or entry.node is not node:
+            return None
+        return entry
+
+    def offload_done(self, node_id: str, key: str, gen: int, ok: bool, reason: str = "",
+                     file_bytes: int = 0) -> None:
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive:
+            return
+        entry = self._ordered_entry(node, key, gen)
+        if entry is None or not entry.offloading:
+            if ok and (entry is None or not entry.on_disk):  # deleted meanwhile: the file goes too
+                node.orders.append({"op": "delete", "key": key, "gen": gen, "node": node.node_id,
+                                    "offset": 0, "size": 0, "extent": 0, "checksum": ""})
+            return
+        entry.offloading = False
+        node.offloading_bytes -= entry.alloc_size
+        if not ok:
+            self._tier_failure("offload", reason)
+            if reason == "disk_full" and entry.readers == 0:
+                self._drop(entry)  # the disk cannot take it: degrade to eviction
+                self.counters.evictions += 1
+            return
+        entry.on_disk = True
+        entry.file_bytes = file_bytes
+        node.disk_used += file_bytes
+        node.disk_lru[key] = entry
+        self.counters.offloads += 1
+        self.counters.offload_bytes += entry.size
+        if entry.readers == 0:
+            self._release_memory_copy(entry)
+
+    def reload_done(self, node_id: str, key: str, gen: int, ok: bool, reason: str = "") -> None:
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive:
+            return
+        entry = node.reloads.pop(gen, None)
+        if entry is None or entry.key != key:
+            return
+        entry.reloading = False
+        if entry.dropped:
+            self._maybe_free(entry)
+            return
+        if not ok:
+            self._tier_failure("reload", reason)
+            if reason == "checksum":
+                self.counters.checksum_failures += 1
+            self._drop(entry)  # the disk role already deleted a broken file
+            return
+        entry.in_memory = True
+        node.lru[key] = entry
+        node.ready_bytes += entry.size
+        self.counters.reloads += 1
+        self.counters.reload_bytes += entry.size
+
+    def adopt(self, node_id: str, incarnation: int, files: list[tuple[str, int, str, int]]) -> list[str] | None:
+        """A slab with a disk reports the files it holds (key, size, checksum, file bytes).
+        Unknown keys become disk-only entries again; files the manager has better
+        copies of are to be deleted (returned). None: unknown node."""
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive or node.incarnation != incarnation or not node.has_disk:
+            return None
+        delete = []
+        wall = time.time()
+        for key, size, checksum, file_bytes in files:
+            entry = self.get(key)
+            if entry is not None:
+                if (entry.node is node and entry.state is State.READY and not entry.on_disk
+                        and entry.checksum == checksum and not entry.offloading):
+                    entry.on_disk, entry.file_bytes = True, file_bytes
+                    node.disk_used += file_bytes
+                    node.disk_lru[key] = entry
+                elif not (entry.node is node and entry.on_disk):
+                    delete.append(key)
+                continue
+            entry = Entry(key, size, node, 0, 0, State.READY, wall, wall, gen=next(self._gens),
+                          checksum=checksum, in_memory=False, on_disk=True, file_bytes=file_bytes)
+            self.table(key)[key] = entry
+            node.entries.add(key)
+            node.disk_used += file_bytes
+            node.disk_lru[key] = entry
+        return delete
+
+    def take_orders(self, node_id: str) -> list[dict[str, Any]]:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return []
+        orders, node.orders = node.orders, []
+        # deletions first: they make room for the offloads behind them
+        return sorted(orders, key=lambda o: o["op"] != "delete")
 
     # -- admin --------------------------------------------------------------------------
 
@@ -359,28 +720,38 @@ class Metadata:
     # -- nodes --------------------------------------------------------------------------
 
     def register(self, node_id: str, incarnation: int, address: str, capacity: int,
-                 shm_path: str, host_id: str, transports: list[str]) -> tuple[Node, bool]:
+                 shm_path: str, host_id: str, transports: list[str], disk_capacity: int = 0
+                 ) -> tuple[Node, bool]:
         """Returns (node, is_new). Re-registering the same live incarnation only refreshes it."""
         now = self.clock()
         old = self.nodes.get(node_id)
-        if old is not None and old.alive and old.incarnation == incarnation and old.capacity == capacity:
+        if (old is not None and old.alive and old.incarnation == incarnation and old.capacity == capacity
+                and old.disk_capacity == disk_capacity):
             old.address, old.shm_path, old.host_id, old.transports = address, shm_path, host_id, transports
             old.last_heartbeat, old.last_heartbeat_wall = now, time.time()
             return old, False
         if old is not None:
             self._kill(old)
         node = Node(node_id, incarnation, address, capacity, shm_path, host_id, transports,
-                    now, time.time())
+                    now, time.time(), disk_capacity)
         self.nodes[node_id] = node
         return node, True
 
-    def heartbeat(self, node_id: str, incarnation: int) -> bool:
+    def heartbeat(self, node_id: str, incarnation: int, reported: dict[str, int] | None = None) -> bool:
         """False tells the slab to register again (unknown, dead, or another incarnation)."""
         node = self.nodes.get(node_id)
         if node is None or not node.alive or node.incarnation != incarnation:
             return False
         node.last_heartbeat, node.last_heartbeat_wall = self.clock(), time.time()
+        if reported is not None:
+            node.reported = reported
         return True
+
+    def node(self, node_id: str, incarnation: int) -> Node | None:
+        node = self.nodes.get(node_id)
+        if node is None or not node.alive or node.incarnation != incarnation:
+            return None
+        return node
 
     def unregister(self, node_id: str, incarnation: int) -> bool:
         node = self.nodes.get(node_id)
@@ -390,7 +761,8 @@ class Metadata:
         return True
 
     def _kill(self, node: Node) -> None:
-        """A dead node takes only its own entries with it."""
+        """A dead node takes only its own entries with it (its files stay on its disk,
+        for the node to report again when it returns)."""
         if node.alive:
             self.counters.nodes_died += 1
         node.alive = False
@@ -401,12 +773,15 @@ class Metadata:
                     self.counters.entries_lost += 1
                 self._drop(entry)
         node.lru.clear()
-        node.ready_bytes = 0
+        node.disk_lru.clear()
+        node.orders.clear()
+        node.reloads.clear()
+        node.ready_bytes = node.disk_used = node.offloading_bytes = 0
 
     # -- time ---------------------------------------------------------------------------
 
     def expire(self) -> Events:
-        """Expire leases and silent nodes. Called periodically by the shell."""
+        """Expire leases, silent nodes, quarantined space and unanswered orders."""
         now = self.clock()
         events = Events()
         stalled = now - self._last_expire
@@ -429,9 +804,24 @@ class Metadata:
             if node.alive and now - node.last_heartbeat > self.heartbeat_ttl:
                 self._kill(node)
                 events.dead_nodes.append(node.node_id)
+            if node.quarantine:
+                due = [q for q in node.quarantine if q[0] <= now]
+                node.quarantine = [q for q in node.quarantine if q[0] > now]
+                if node.alive:
+                    for _, offset, length in due:
+                        node.allocator.release(offset, length)
+            if node.alive:
+                self._expire_orders(node, now)
         self.counters.expired_reads += events.expired_reads
         self.counters.expired_writes += events.expired_writes
         return events
+
+    def _expire_orders(self, node: Node, now: float) -> None:
+        if node.offloading_bytes:
+            for entry in [e for e in node.lru.values() if e.offloading and e.order_deadline <= now]:
+                self.offload_done(node.node_id, entry.key, entry.gen, False, "timeout")
+        for entry in [e for e in node.reloads.values() if e.order_deadline <= now]:
+            self.reload_done(node.node_id, entry.key, entry.gen, False, "timeout")
 
     # -- views --------------------------------------------------------------------------
 
@@ -439,14 +829,17 @@ class Metadata:
         entry = self.get(key)
         if entry is None:
             return None
+        tiers = (["memory"] if entry.in_memory and entry.alloc_size else []) + (["disk"] if entry.on_disk else [])
         return {
             "key": key,
             "state": entry.state.value,
-            "tiers": ["memory"],
+            "tiers": tiers,
             "node": entry.node.node_id,
             "size": entry.size,
             "checksum": entry.checksum or None,
             "readers": entry.readers,
+            "offloading": entry.offloading,
+            "reloading": entry.reloading,
             "created": entry.created,
             "last_access": entry.last_access,
         }
@@ -461,9 +854,12 @@ class Metadata:
             "memory_used": n.allocator.used if n.alive else 0,
             "memory_capacity": n.capacity,
             "keys_memory": len(n.lru),
-            "disk_used": 0,
-            "disk_capacity": 0,
+            "bytes_memory": n.ready_bytes,
+            "disk_used": n.disk_used,
+            "disk_capacity": n.disk_capacity,
+            "keys_disk": len(n.disk_lru),
             "last_heartbeat": n.last_heartbeat_wall,
+            "reported": n.reported,
         } for n in self.nodes.values()]
 
     def stats(self) -> dict[str, int]:
@@ -471,17 +867,17 @@ class Metadata:
         c = self.counters
         return {
             "keys_memory": sum(len(n.lru) for n in alive),
-            "keys_disk": 0,
+            "keys_disk": sum(len(n.disk_lru) for n in alive),
             "keys_writing": sum(len(w.entries) for w in self.write_leases.values()),
             "bytes_memory": sum(n.ready_bytes for n in alive),
             "bytes_memory_allocated": sum(n.allocator.used for n in alive),
-            "bytes_disk": 0,
+            "bytes_disk": sum(n.disk_used for n in alive),
             "capacity_memory": sum(n.allocator.capacity for n in alive),
-            "capacity_disk": 0,
+            "capacity_disk": sum(n.disk_capacity for n in alive),
             "hits": c.hits,
             "misses": c.misses,
-            "hits_memory": c.hits,
-            "hits_disk": 0,
+            "hits_memory": c.hits_memory,
+            "hits_disk": c.hits_disk,
             "lookups": c.lookups,
             "allocations": c.allocations,
             "alloc_exists": c.exists,
@@ -489,9 +885,14 @@ class Metadata:
             "alloc_no_space": c.no_space,
             "commits": c.commits,
             "aborts": c.aborts,
-            "offloads": 0,
-            "reloads": 0,
+            "offloads": c.offloads,
+            "offload_bytes": c.offload_bytes,
+            "bytes_offloading": sum(n.offloading_bytes for n in alive),
+            "reloads": c.reloads,
+            "reload_bytes": c.reload_bytes,
             "evictions": c.evictions,
+            "disk_evictions": c.disk_evictions,
+            "tier_failures": sum(c.tier_failures.values()),
             "expired_write_leases": c.expired_writes,
             "expired_read_leases": c.expired_reads,
             "checksum_failures": c.checksum_failures,

@@ -9,6 +9,7 @@ live in one process (tests, embedded use).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -48,11 +49,54 @@ _GAUGES: dict[str, tuple[str, str, Source]] = {
 }
 
 
+_NODE_GAUGES = {
+    # per node, from the manager's view and from what the node itself reports
+    "polarkv_node_memory_used_bytes": ("memory held by allocations on the node", "memory_used"),
+    "polarkv_node_memory_capacity_bytes": ("the node's memory", "memory_capacity"),
+    "polarkv_node_disk_used_bytes": ("bytes of the node's files", "disk_used"),
+    "polarkv_node_disk_capacity_bytes": ("the node's disk budget", "disk_capacity"),
+    "polarkv_node_keys_memory": ("entries with a memory copy on the node", "keys_memory"),
+    "polarkv_node_keys_disk": ("entries with a file on the node", "keys_disk"),
+}
+_NODE_REPORTED = {
+    "polarkv_node_tiering_bytes_to_other_nodes": (
+        "bytes of tiering orders that named another node's buffer (stays 0: tiering is local)",
+        "tiering_bytes_to_other_nodes"),
+    "polarkv_node_offload_bytes": ("bytes the node's disk role wrote to its disk", "offload_bytes"),
+    "polarkv_node_reload_bytes": ("bytes the node's disk role read into its memory", "reload_bytes"),
+    "polarkv_node_data_bytes_read": ("bytes clients read from the node's buffer over tcp", "data_bytes_read"),
+    "polarkv_node_data_bytes_written": ("bytes clients wrote into the node's buffer over tcp",
+                                        "data_bytes_written"),
+}
+
+
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]], failures: Callable[[], dict[str, int]],
+                 nodes: Callable[[], list[dict[str, Any]]]) -> None:
         self._stats = stats
+        self._failures = failures
+        self._nodes = nodes
 
     def collect(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily("polarkv_tier_failures", "offloads and reloads that failed, by reason",
+                                       labels=["op", "reason"])
+        for name, count in sorted(self._failures().items()):
+            op, _, reason = name.partition("_")
+            failures.add_metric([op, reason], count)
+        yield failures
+        nodes = self._nodes()
+        for name, (help_text, field) in _NODE_GAUGES.items():
+            gauge = GaugeMetricFamily(name, help_text, labels=["node"])
+            for node in nodes:
+                if node["state"] == "alive":
+                    gauge.add_metric([node["id"]], node[field])
+            yield gauge
+        for name, (help_text, field) in _NODE_REPORTED.items():
+            gauge = GaugeMetricFamily(name, help_text, labels=["node"])
+            for node in nodes:
+                if node["state"] == "alive" and field in node["reported"]:
+                    gauge.add_metric([node["id"]], node["reported"][field])
+            yield gauge
         stats = self._stats()
         for table, family in ((_COUNTERS, CounterMetricFamily), (_GAUGES, GaugeMetricFamily)):
             for name, (help_text, label, source) in table.items():
@@ -66,9 +110,15 @@ class _StatsCollector(Collector):
 
 
 class ManagerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]], failures: Callable[[], dict[str, int]],
+                 nodes: Callable[[], list[dict[str, Any]]]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StatsCollector(stats))
+        self.registry.register(_StatsCollector(stats, failures, nodes))
+        tier_buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+        self.offload_seconds = Histogram("polarkv_offload_seconds", "time to write one entry to disk",
+                                         registry=self.registry, buckets=tier_buckets)
+        self.reload_seconds = Histogram("polarkv_reload_seconds", "time to read one entry back",
+                                        registry=self.registry, buckets=tier_buckets)
         self.request_seconds = Histogram(
             "polarkv_request_seconds", "manager request latency, by endpoint", ["endpoint"],
             registry=self.registry,

@@ -41,10 +41,14 @@ STATS_KEYS = [
     "keys_memory", "keys_disk", "keys_writing", "bytes_memory", "bytes_memory_allocated",
     "bytes_disk", "capacity_memory", "capacity_disk", "hits", "misses", "hits_memory",
     "hits_disk", "lookups", "allocations", "alloc_exists", "alloc_in_progress", "alloc_no_space",
-    "commits", "aborts", "offloads", "reloads", "evictions", "expired_write_leases",
+    "commits", "aborts", "offloads", "offload_bytes", "bytes_offloading", "reloads", "reload_bytes",
+    "evictions", "disk_evictions", "tier_failures", "expired_write_leases",
     "expired_read_leases", "checksum_failures", "deletes", "entries_lost", "read_leases",
     "write_leases", "nodes", "nodes_dead",
 ]
+WAIT = {"type": "number", "minimum": 0, "maximum": 60}
+ORDER = obj({"op": {"enum": ["offload", "reload", "delete"]}, "key": KEY, "gen": INT, "node": STR,
+             "offset": INT, "size": INT, "extent": INT, "checksum": STR})
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -67,12 +71,16 @@ KEY_PARAM = [{"name": "key", "in": "path", "required": True, "schema": KEY}]
 
 
 def openapi_spec() -> dict[str, Any]:
-    key_view = obj({"key": KEY, "state": {"enum": ["writing", "ready"]}, "tiers": arr(STR),
-                    "node": STR, "size": INT, "checksum": {"oneOf": [CHECKSUM, {"type": "null"}]},
-                    "readers": INT, "created": NUM, "last_access": NUM})
+    key_view = obj({"key": KEY, "state": {"enum": ["writing", "ready"]},
+                    "tiers": arr({"enum": ["memory", "disk"]}), "node": STR, "size": INT,
+                    "checksum": {"oneOf": [CHECKSUM, {"type": "null"}]}, "readers": INT,
+                    "offloading": {"type": "boolean"}, "reloading": {"type": "boolean"},
+                    "created": NUM, "last_access": NUM})
     node = obj({"id": STR, "address": STR, "state": {"enum": ["alive", "dead"]}, "incarnation": INT,
                 "transports": arr(STR), "memory_used": INT, "memory_capacity": INT,
-                "keys_memory": INT, "disk_used": INT, "disk_capacity": INT, "last_heartbeat": NUM})
+                "keys_memory": INT, "bytes_memory": INT, "disk_used": INT, "disk_capacity": INT,
+                "keys_disk": INT, "last_heartbeat": NUM,
+                "reported": {"type": "object", "additionalProperties": INT}})
     paths: dict[str, Any] = {
         "/healthz": {"get": _op("liveness", obj({"status": {"enum": ["ok"]}, "nodes": INT,
                                                   "keys_memory": INT}), errors=())},
@@ -95,14 +103,15 @@ def openapi_spec() -> dict[str, Any]:
                  "additionalProperties": NODE_VIEW},
                  "entries": arr(obj({"key": KEY, "size": INT, "checksum": STR},
                                     {k: v for k, v in REGION.items() if k not in ("key", "size", "checksum")}))}),
-            obj({"keys": arr(KEY, 1)}, {"lease": {"type": "boolean"}}))},
+            obj({"keys": arr(KEY, 1)}, {"lease": {"type": "boolean"}, "wait": WAIT}))},
         "/v1/allocate": {"post": _op(
             "first writer wins: allocate space and WRITE grants under one write lease",
             obj({"lease": NULLABLE_LEASE, "nodes": {"type": "object", "additionalProperties": NODE_VIEW},
                  "results": arr(obj({"key": KEY, "status": {
                      "enum": ["allocated", "exists", "in_progress", "no_space"]}},
                      {k: v for k, v in REGION.items() if k != "key"}))}),
-            obj({"items": arr(obj({"key": KEY, "size": {"type": "integer", "minimum": 1}}), 1)}))},
+            obj({"items": arr(obj({"key": KEY, "size": {"type": "integer", "minimum": 1}}), 1)},
+                {"wait": WAIT}))},
         "/v1/commit": {"post": _op(
             "write-finish: make written entries visible",
             obj({"results": {"type": "object", "additionalProperties": {
@@ -121,11 +130,32 @@ def openapi_spec() -> dict[str, Any]:
             obj({"node_id": STR, "incarnation": INT, "heartbeat_ttl": NUM}, {"grant_key": STR}),
             obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}, "address": STR,
                  "capacity": {"type": "integer", "minimum": 1}},
-                {"shm_path": STR, "host_id": STR, "transports": arr({"enum": ["tcp", "shm", "rdma"]}, 1)}),
+                {"shm_path": STR, "host_id": STR, "transports": arr({"enum": ["tcp", "shm", "rdma"]}, 1),
+                 "disk_capacity": {"type": "integer", "minimum": 0}}),
             errors=(400, 401, 403))},
         "/v1/nodes/heartbeat": {"post": _op(
-            "a slab is alive", obj({"ok": {"type": "boolean"}}), NODE_REF, errors=(400, 401, 403),
-            extra={404: "unknown node or incarnation: register again"})},
+            "a slab is alive (and reports its own counters)", obj({"ok": {"type": "boolean"}}),
+            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}},
+                {"stats": {"type": "object", "additionalProperties": INT}}),
+            errors=(400, 401, 403), extra={404: "unknown node or incarnation: register again"})},
+        "/v1/nodes/orders": {"post": _op(
+            "long poll of a node's disk role for offload/reload/delete orders",
+            obj({"orders": arr(ORDER)}),
+            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}}, {"wait": WAIT}),
+            errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation: register again"})},
+        "/v1/nodes/done": {"post": _op(
+            "a disk role reports finished orders", obj({"ok": {"type": "boolean"}}),
+            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1},
+                 "results": arr(obj({"op": {"enum": ["offload", "reload", "delete"]}, "key": KEY,
+                                     "gen": INT, "ok": {"type": "boolean"}},
+                                    {"reason": STR, "file_bytes": INT, "seconds": NUM}), 1)}),
+            errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation: register again"})},
+        "/v1/nodes/adopt": {"post": _op(
+            "a restarted slab+disk reports the files it holds; they serve hits again",
+            obj({"adopted": INT, "delete": arr(KEY)}),
+            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1},
+                 "files": arr(obj({"key": KEY, "size": INT, "checksum": CHECKSUM, "file_bytes": INT}))}),
+            errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation, or no disk role"})},
         "/v1/nodes/unregister": {"post": _op(
             "a slab leaves; its entries are dropped", obj({"ok": {"type": "boolean"}}), NODE_REF,
             errors=(400, 401, 403), extra={404: "unknown node or incarnation"})},

@@ -1,4 +1,6 @@
 """The slab role: owns the buffer, serves it over the data plane, registers and heartbeats.
+With the disk role in the same process, the buffer is also what offloads are written
+from and reloads are read into (paired sharding).
 
 The data server starts before registration succeeds (it refuses every request until it
 has the grant key), so a slab started before its manager simply keeps trying to
@@ -21,13 +23,20 @@ from polarkv_lib.config import Config
 from polarkv_lib.host import host_id
 from polarkv_lib.node.buffer import SlabBuffer
 from polarkv_lib.node.dataserver import DataServer
+from polarkv_lib.node.disk import DiskStore
+from polarkv_lib.node.disk_role import DiskRole
 
 log = structlog.get_logger("polarkv.slab")
 
 
+ADOPT_BATCH = 1000
+
+
 class SlabService:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, with_disk: bool = False) -> None:
         self.config = config
+        self.with_disk = with_disk
+        self.disk: DiskRole | None = None
         self.incarnation = secrets.randbits(63) or 1
         self.node_id = ""
         self.address = ""
@@ -48,7 +57,16 @@ class SlabService:
         host, port = sock.getsockname()[:2]
         self.address = s.advertise or f"{host}:{port}"
         self.node_id = s.node_id or self.address
+        if self.with_disk:
+            d = self.config.disk
+            store = DiskStore(d.paths, d.capacity, d.o_direct)
+            found = await asyncio.to_thread(store.scan)
+            log.info("disk scanned", paths=list(store.paths), files=len(found), bytes=store.used,
+                     capacity=d.capacity, o_direct=store.o_direct)
         self.buffer = SlabBuffer(s.shm_dir, self.node_id, self.incarnation, s.memory)
+        if self.with_disk:
+            self.disk = DiskRole(store, self.buffer.view, self.node_id, self.config.disk.io_threads)
+            self.disk.start(self._post, self._ref, self.registered)
         self.server = DataServer(sock, self.buffer.view, self.incarnation, lambda: self._grant_key,
                                  s.max_connections)
         self.server.start()
@@ -63,10 +81,11 @@ class SlabService:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self.disk is not None:
+            await self.disk.stop()
         if self.registered.is_set():
             try:
-                await self._post("/v1/nodes/unregister",
-                                 {"node_id": self.node_id, "incarnation": self.incarnation})
+                await self._post("/v1/nodes/unregister", self._ref(), 1.0)
             except (aiohttp.ClientError, TimeoutError, OSError):
                 pass  # the manager will notice the silence
         if self._session is not None:
@@ -77,10 +96,24 @@ class SlabService:
             self.buffer.close()
         log.info("slab stopped", node=self.node_id)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _ref(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "incarnation": self.incarnation}
+
+    def stats(self) -> dict[str, int]:
+        assert self.server is not None
+        out = {f"data_{k}": v for k, v in vars(self.server.stats).items()}
+        if self.disk is not None:
+            out.update(self.disk.store.stats())
+            out.update({f"disk_failures_{k}": v for k, v in self.disk.failures.items()})
+            out["tiering_bytes_to_other_nodes"] = self.disk.bytes_for_other_nodes
+        return out
+
+    async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None
+                    ) -> tuple[int, dict[str, Any]]:
         assert self._session is not None
         url = self.config.slab.manager_url.rstrip("/") + path
-        async with self._session.post(url, json=body, headers=self._headers) as resp:
+        limit = aiohttp.ClientTimeout(total=timeout) if timeout is not None else None
+        async with self._session.post(url, json=body, headers=self._headers, timeout=limit) as resp:
             data = await resp.read()
             try:
                 parsed = orjson.loads(data)
@@ -98,6 +131,7 @@ class SlabService:
             "shm_path": self.buffer.path if "shm" in self.config.slab.transports else "",
             "host_id": host_id(),
             "transports": list(self.config.slab.transports),
+            "disk_capacity": self.config.disk.capacity if self.disk is not None else 0,
         })
         if status != 200:
             log.error("registration refused", status=status, error=body.get("error"))
@@ -110,8 +144,26 @@ class SlabService:
         ttl = body.get("heartbeat_ttl")
         if isinstance(ttl, int | float) and ttl > 0:
             self._interval = min(self.config.slab.heartbeat_interval, ttl / 3)
+        if self.disk is not None and not await self._adopt():
+            return False
         self.registered.set()
         log.info("slab registered", node=self.node_id, incarnation=self.incarnation)
+        return True
+
+    async def _adopt(self) -> bool:
+        """Tell the manager which files this node's disk holds, so they serve hits again."""
+        assert self.disk is not None
+        files = self.disk.inventory()
+        for start in range(0, len(files), ADOPT_BATCH):
+            status, body = await self._post("/v1/nodes/adopt",
+                                             {**self._ref(), "files": files[start:start + ADOPT_BATCH]}, 10.0)
+            if status != 200:
+                log.error("file adoption refused", status=status, error=body.get("error"))
+                return False
+            for key in body.get("delete", []):  # the manager has a fresher copy elsewhere
+                await asyncio.to_thread(self.disk.store.delete, key)
+        if files:
+            log.info("disk files adopted", files=len(files))
         return True
 
     async def _heartbeat_loop(self) -> None:
@@ -121,8 +173,7 @@ class SlabService:
                 if not self.registered.is_set():
                     await self._register()
                 else:
-                    status, _ = await self._post("/v1/nodes/heartbeat",
-                                                 {"node_id": self.node_id, "incarnation": self.incarnation})
+                    status, _ = await self._post("/v1/nodes/heartbeat", {**self._ref(), "stats": self.stats()})
                     if status == 404:
                         log.warning("manager forgot this node; registering again", node=self.node_id)
                         self.registered.clear()

@@ -74,14 +74,26 @@ def _keys(body: dict[str, Any], name: str, limits: Limits, allow_empty: bool = F
     return [_key(k, f"{name}[{i}]") for i, k in enumerate(_batch(body, name, limits, allow_empty))]
 
 
+MAX_WAIT = 60.0
+
+
+def _wait(body: dict[str, Any], default: float) -> float:
+    """How long the caller is willing to wait for a reload or for room (seconds)."""
+    value = _field(body, "wait", (int, float), default)
+    if not 0 <= value <= MAX_WAIT:
+        raise BadRequest(f"'wait' must be between 0 and {MAX_WAIT:g} seconds")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class LookupRequest:
     keys: list[str]
     lease: bool
+    wait: float
 
 
 def parse_lookup(body: dict[str, Any], limits: Limits) -> LookupRequest:
-    return LookupRequest(_keys(body, "keys", limits), _field(body, "lease", bool, True))
+    return LookupRequest(_keys(body, "keys", limits), _field(body, "lease", bool, True), _wait(body, 1.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +102,13 @@ class AllocateItem:
     size: int
 
 
-def parse_allocate(body: dict[str, Any], limits: Limits) -> list[AllocateItem]:
+@dataclass(frozen=True, slots=True)
+class AllocateRequest:
+    items: list[AllocateItem]
+    wait: float
+
+
+def parse_allocate(body: dict[str, Any], limits: Limits) -> AllocateRequest:
     out = []
     for i, item in enumerate(_batch(body, "items", limits)):
         if not isinstance(item, dict):
@@ -105,7 +123,7 @@ def parse_allocate(body: dict[str, Any], limits: Limits) -> list[AllocateItem]:
             raise BadRequest(
                 f"items[{i}].size {size} is above the maximum object size {limits.max_object_size}", 413)
         out.append(AllocateItem(key, size))
-    return out
+    return AllocateRequest(out, _wait(body, 0.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,12 +197,13 @@ class RegisterRequest:
     shm_path: str
     host_id: str
     transports: list[str]
+    disk_capacity: int
 
 
 def parse_register(body: dict[str, Any]) -> RegisterRequest:
     address = _field(body, "address", str)
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise BadRequest("'address' must be host:port")
     capacity = _field(body, "capacity", int)
     if not 0 < capacity < 2**50:
@@ -200,7 +219,15 @@ def parse_register(body: dict[str, Any]) -> RegisterRequest:
         shm_path=_field(body, "shm_path", str, ""),
         host_id=_field(body, "host_id", str, ""),
         transports=transports,
+        disk_capacity=_nonnegative(body, "disk_capacity"),
     )
+
+
+def _nonnegative(body: dict[str, Any], name: str) -> int:
+    value = _field(body, name, int, 0)
+    if not 0 <= value < 2**62:
+        raise BadRequest(f"'{name}' must be a non-negative integer")
+    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,3 +238,71 @@ class NodeRef:
 
 def parse_node_ref(body: dict[str, Any]) -> NodeRef:
     return NodeRef(_node_id(body), _incarnation(body))
+
+
+def parse_heartbeat(body: dict[str, Any]) -> tuple[NodeRef, dict[str, int]]:
+    stats = _field(body, "stats", dict, {})
+    if len(stats) > 256 or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, int)
+                                   and not isinstance(v, bool) for k, v in stats.items()):
+        raise BadRequest("'stats' must map up to 256 short names to integers")
+    return parse_node_ref(body), stats
+
+
+@dataclass(frozen=True, slots=True)
+class OrderResult:
+    op: str
+    key: str
+    gen: int
+    ok: bool
+    reason: str
+    file_bytes: int
+    seconds: float
+
+
+_OPS = ("offload", "reload", "delete")
+
+
+def parse_done(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[OrderResult]]:
+    out = []
+    for i, item in enumerate(_batch(body, "results", limits)):
+        where = f"results[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} must be an object")
+        op, ok, reason = item.get("op"), item.get("ok"), item.get("reason", "")
+        gen, file_bytes, seconds = item.get("gen"), item.get("file_bytes", 0), item.get("seconds", 0.0)
+        if op not in _OPS:
+            raise BadRequest(f"{where}.op must be one of {', '.join(_OPS)}")
+        if not isinstance(ok, bool) or not isinstance(reason, str) or len(reason) > 64:
+            raise BadRequest(f"{where} needs 'ok' (bool) and an optional short 'reason'")
+        for name, value in (("gen", gen), ("file_bytes", file_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BadRequest(f"{where}.{name} must be a non-negative integer")
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
+            raise BadRequest(f"{where}.seconds must be a non-negative number")
+        assert isinstance(gen, int) and isinstance(file_bytes, int)
+        out.append(OrderResult(op, _key(item.get("key"), f"{where}.key"), gen, ok, reason, file_bytes,
+                               float(seconds)))
+    return parse_node_ref(body), out
+
+
+def parse_orders(body: dict[str, Any]) -> tuple[NodeRef, float]:
+    return parse_node_ref(body), _wait(body, 5.0)
+
+
+def parse_adopt(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[tuple[str, int, str, int]]]:
+    files = []
+    for i, item in enumerate(_batch(body, "files", limits, allow_empty=True)):
+        where = f"files[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} must be an object")
+        size, file_bytes, checksum = item.get("size"), item.get("file_bytes"), item.get("checksum")
+        for name, value in (("size", size), ("file_bytes", file_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise BadRequest(f"{where}.{name} must be a positive integer")
+        assert isinstance(size, int) and isinstance(file_bytes, int)
+        if size > limits.max_object_size:
+            raise BadRequest(f"{where}.size is above the maximum object size")
+        if not isinstance(checksum, str) or not _HEX16.fullmatch(checksum):
+            raise BadRequest(f"{where}.checksum must be 16 lowercase hex characters")
+        files.append((_key(item.get("key"), f"{where}.key"), size, checksum, file_bytes))
+    return parse_node_ref(body), files

@@ -34,10 +34,14 @@ class Status(IntEnum):
 
 
 def encode_request(op: Op, grant: bytes) -> bytes:
+    if len(grant) != GRANT_SIZE:
+        raise ValueError(f"a grant is {GRANT_SIZE} bytes, got {len(grant)}")
     return _REQ.pack(MAGIC, VERSION, op, grant)
 
 
 def decode_request(frame: bytes | bytearray | memoryview) -> tuple[Op, bytes]:
+    if len(frame) != REQUEST_SIZE:
+        raise ProtocolError(f"a request header is {REQUEST_SIZE} bytes, got {len(frame)}")
     magic, version, op, grant = _REQ.unpack(frame)
     if magic != MAGIC or version != VERSION:
         raise ProtocolError("not a PolarKV data-plane request")
@@ -51,6 +55,8 @@ def encode_response(status: Status, length: int = 0) -> bytes:
 
 
 def decode_response(frame: bytes | bytearray | memoryview) -> tuple[Status, int]:
+    if len(frame) != RESPONSE_SIZE:
+        raise ProtocolError(f"a response header is {RESPONSE_SIZE} bytes, got {len(frame)}")
     magic, status, length = _RESP.unpack(frame)
     if magic != MAGIC:
         raise ProtocolError("not a PolarKV data-plane response")

@@ -59,11 +59,13 @@ def decode(blob: bytes | bytearray | memoryview) -> Grant:
 def verify(blob: bytes | bytearray | memoryview, key: bytes, incarnation: int, buffer_size: int,
            now_ms: int | None = None) -> Grant:
     """Return the grant if it is genuine and usable on this slab, else raise AccessDenied."""
-    grant = decode(blob)
+    if len(blob) != GRANT_SIZE:
+        raise ProtocolError(f"a grant is {GRANT_SIZE} bytes, got {len(blob)}")
     body = bytes(blob[: _BODY.size])
     expected = hmac.new(key, body, sha256).digest()[:MAC_SIZE]
     if not hmac.compare_digest(expected, bytes(blob[_BODY.size:])):
         raise AccessDenied("grant signature does not verify")
+    grant = decode(blob)  # only a genuine grant is parsed
     if grant.incarnation != incarnation:
         raise AccessDenied("grant is for another node or incarnation")
     if grant.expires_ms < (int(time.time() * 1000) if now_ms is None else now_ms):

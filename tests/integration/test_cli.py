@@ -33,8 +33,8 @@ def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) 
     (["--set", "manager.memory_low_watermark=0.95"], {}, "manager.memory_low_watermark"),
     (["--set", "client.transport=carrier-pigeon"], {}, "client.transport"),
     (["--config", "/nonexistent/polarkv.toml"], {}, "--config /nonexistent/polarkv.toml"),
-    (["--role", "disk"], {}, "the disk role runs inside a slab process"),
-    (["--role", "slab", "--role", "disk"], {}, "disk tier is not part of this version"),
+    (["--role", "disk"], {}, "the disk role shares the slab's buffer in one process"),
+    (["--role", "manager", "--role", "disk"], {}, "use --role slab --role disk"),
 ])
 def test_bad_config_is_one_line_and_nonzero(args: list[str], env: dict[str, str], message: str) -> None:
     done = run(*args, env=env)
@@ -84,7 +84,7 @@ def test_config_file_env_and_set_precedence(cluster: Cluster, tmp_path: Path) ->
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_gracefully(cluster: Cluster, sig: signal.Signals) -> None:
-    node = cluster.embedded()
+    node = cluster.embedded(disk=True)
     shm_files = set(Path("/dev/shm").glob("polarkv-*.buf"))
     start = time.monotonic()
     node.proc.send_signal(sig)

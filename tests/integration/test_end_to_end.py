@@ -33,7 +33,7 @@ def test_store_in_one_process_load_in_another(cluster: Cluster, layout: str, tra
         cluster.slab(manager.manager_url, **memory)
         url = manager.manager_url
     else:
-        url = cluster.embedded(**memory).manager_url
+        url = cluster.embedded(disk=True, **memory).manager_url
     stored = run_client("store", url, "e2e", transport, str(CHUNKS), str(CHUNK_BYTES))
     assert stored["stored"] == CHUNKS
     loaded = run_client("load", url, "e2e", transport, str(CHUNKS))

@@ -37,7 +37,7 @@ def _request_schema(spec: dict[str, Any], path: str) -> dict[str, Any]:
 
 @pytest.fixture
 def url(cluster: Cluster) -> str:
-    return cluster.embedded().manager_url
+    return cluster.embedded(disk=True).manager_url
 
 
 def test_replies_match_the_document(url: str) -> None:
