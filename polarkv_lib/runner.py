@@ -19,6 +19,7 @@ import structlog
 from polarkv_lib.config import Config, parse_address
 from polarkv_lib.errors import ConfigError
 from polarkv_lib.manager.app import ManagerService
+from polarkv_lib.node.disk import DiskStore
 from polarkv_lib.node.slab import SlabService
 
 log = structlog.get_logger("polarkv")
@@ -58,6 +59,14 @@ async def run(config: Config, roles: set[str], ready_file: str | None = None,
         if manager_sock is not None:
             manager_sock.close()
         raise
+    try:  # an unwritable disk path is a config error too, found before anything starts
+        d = config.disk
+        store = DiskStore(d.paths, d.capacity, d.o_direct) if "disk" in roles else None
+    except ConfigError:
+        for sock in (manager_sock, slab_sock):
+            if sock is not None:
+                sock.close()
+        raise
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -73,7 +82,7 @@ async def run(config: Config, roles: set[str], ready_file: str | None = None,
                 config = dataclasses.replace(
                     config, slab=dataclasses.replace(config.slab, manager_url=manager.url))
         if slab_sock is not None:
-            slab = SlabService(config, with_disk="disk" in roles)
+            slab = SlabService(config, disk=store)
             await slab.start(slab_sock)
             ready["slab_address"] = slab.address
             ready["node_id"] = slab.node_id

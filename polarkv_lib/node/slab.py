@@ -33,9 +33,9 @@ ADOPT_BATCH = 1000
 
 
 class SlabService:
-    def __init__(self, config: Config, with_disk: bool = False) -> None:
+    def __init__(self, config: Config, disk: DiskStore | None = None) -> None:
         self.config = config
-        self.with_disk = with_disk
+        self._store = disk  # with a store, this process runs the disk role too
         self.disk: DiskRole | None = None
         self.incarnation = secrets.randbits(63) or 1
         self.node_id = ""
@@ -57,14 +57,13 @@ class SlabService:
         host, port = sock.getsockname()[:2]
         self.address = s.advertise or f"{host}:{port}"
         self.node_id = s.node_id or self.address
-        if self.with_disk:
-            d = self.config.disk
-            store = DiskStore(d.paths, d.capacity, d.o_direct)
+        store = self._store
+        if store is not None:
             found = await asyncio.to_thread(store.scan)
             log.info("disk scanned", paths=list(store.paths), files=len(found), bytes=store.used,
-                     capacity=d.capacity, o_direct=store.o_direct)
+                     capacity=store.capacity, o_direct=store.o_direct)
         self.buffer = SlabBuffer(s.shm_dir, self.node_id, self.incarnation, s.memory)
-        if self.with_disk:
+        if store is not None:
             self.disk = DiskRole(store, self.buffer.view, self.node_id, self.config.disk.io_threads)
             self.disk.start(self._post, self._ref, self.registered)
         self.server = DataServer(sock, self.buffer.view, self.incarnation, lambda: self._grant_key,

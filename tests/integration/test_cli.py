@@ -53,6 +53,16 @@ def test_bad_toml_file(tmp_path: Path) -> None:
     assert done.returncode == 2 and "slab.memory" in done.stderr
 
 
+def test_unwritable_disk_path_names_the_key(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    done = run("--set", "manager.listen=127.0.0.1:0", "--set", "slab.listen=127.0.0.1:0",
+               "--set", f"disk.paths={blocker}/disk", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]  # one line
+    assert "disk.paths" in done.stderr and "not writable" in done.stderr
+
+
 def test_port_in_use_names_the_key(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
