@@ -76,6 +76,7 @@ async def run(config: Config, roles: set[str], ready_file: str | None = None,
         ready: dict[str, object] = {"pid": os.getpid(), "roles": sorted(roles)}
         if manager_sock is not None:
             manager = ManagerService(config)
+            await manager.open_store()
             await manager.start(manager_sock)
             ready["manager_url"] = manager.url
             if slab_sock is not None:  # embedded: the slab registers with this manager

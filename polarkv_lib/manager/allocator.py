@@ -76,6 +76,23 @@ class Allocator:
         self._live[found] = need
         return found, need
 
+    def reserve(self, offset: int, length: int) -> bool:
+        """Take exactly [offset, offset+length) (restoring a known layout after a restart).
+        False if any of it is not free."""
+        if length <= 0 or offset % PAGE or length % PAGE:
+            return False
+        start = next((s for s, n in self._start.items() if s <= offset and offset + length <= s + n), None)
+        if start is None:
+            return False
+        total = self._remove(start)
+        if offset > start:
+            self._add(start, offset - start)
+        if start + total > offset + length:
+            self._add(offset + length, start + total - offset - length)
+        self.used += length
+        self._live[offset] = length
+        return True
+
     def release(self, offset: int, length: int) -> None:
         if self._live.get(offset) != length:
             raise ValueError(f"bad free of [{offset}, {offset + length}): not an allocation")

@@ -25,6 +25,7 @@ from polarkv_lib.keys import is_valid_key
 from polarkv_lib.manager.metadata import AllocStatus, Entry, Metadata, Node, State
 from polarkv_lib.manager.metrics import ManagerMetrics
 from polarkv_lib.manager.openapi import openapi_spec
+from polarkv_lib.manager.store import MetadataStore, open_store
 from polarkv_lib.wire import control
 from polarkv_lib.wire.grants import Grant, Op, sign
 
@@ -65,6 +66,9 @@ class ManagerService:
         self._freed = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.store: MetadataStore = open_store(m.metadata_url)
+        self._flusher: asyncio.Task[None] | None = None
+        self.flush_failures = 0
         self.url = ""
 
     def _add_routes(self) -> None:
@@ -91,7 +95,16 @@ class ManagerService:
 
     # -- lifecycle ----------------------------------------------------------------------
 
+    async def open_store(self) -> None:
+        """Connect to the metadata store and restore what it holds. Before serving."""
+        await self.store.open()
+        nodes, entries = await self.store.load()
+        self.meta.restore(nodes, entries)
+        log.info("metadata restored", store=self.config.manager.metadata_url.split("@")[-1],
+                 nodes=len(nodes), entries=len(entries))
+
     async def start(self, sock: socket.socket) -> None:
+        self._flusher = asyncio.create_task(self._flush_loop(), name="manager-write-behind")
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.SockSite(self._runner, sock, shutdown_timeout=2.0).start()
@@ -101,12 +114,44 @@ class ManagerService:
         log.info("manager listening", url=self.url, partitions=len(self.meta.partitions))
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for task in (self._sweeper, self._flusher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        try:  # the last changes, within a bound
+            await asyncio.wait_for(self._flush(), 5.0)
+        except Exception as exc:
+            log.error("final metadata flush failed", error=repr(exc))
+        await self.store.close()
         log.info("manager stopped")
+
+    async def _flush(self) -> bool:
+        batch = self.meta.take_changes()
+        if not len(batch):
+            return True
+        try:
+            await self.store.write(batch)
+        except Exception as exc:  # store down: keep the changes, retry later
+            self.meta.requeue(batch)
+            self.flush_failures += 1
+            if self.flush_failures == 1 or self.flush_failures % 50 == 0:
+                log.warning("metadata write-behind failed; will retry", error=repr(exc),
+                            failures=self.flush_failures)
+            return False
+        if self.flush_failures:
+            log.info("metadata write-behind caught up", after_failures=self.flush_failures)
+            self.flush_failures = 0
+        return True
+
+    async def _flush_loop(self) -> None:
+        interval = self.config.manager.metadata_flush
+        backoff = interval
+        while True:
+            await asyncio.sleep(backoff)
+            ok = await self._flush()
+            backoff = interval if ok else min(backoff * 2, 5.0)
 
     async def _sweep(self) -> None:
         m = self.config.manager
@@ -209,7 +254,8 @@ class ManagerService:
 
     async def healthz(self, request: web.Request) -> web.Response:
         stats = self.meta.stats()
-        return json_response({"status": "ok", "nodes": stats["nodes"], "keys_memory": stats["keys_memory"]})
+        return json_response({"status": "ok", "nodes": stats["nodes"], "keys_memory": stats["keys_memory"],
+                              "metadata_store": "retrying" if self.flush_failures else "ok"})
 
     async def stats(self, request: web.Request) -> web.Response:
         return json_response(self.meta.stats())

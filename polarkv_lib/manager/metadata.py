@@ -37,6 +37,7 @@ from enum import StrEnum
 from typing import Any
 
 from polarkv_lib.manager.allocator import Allocator, size_class
+from polarkv_lib.manager.store import Batch, EntryRow, NodeRow
 
 # A dropped WRITING entry's space waits this long past its write grant's expiry before
 # reuse, so a writer that started just before the grant expired cannot land its bytes
@@ -198,6 +199,11 @@ class Metadata:
         self.counters = Counters()
         self._gens = itertools.count(1)
         self._last_expire = clock()
+        # write-behind: what changed since the last flush (see manager/store.py)
+        self.dirty_keys: set[str] = set()
+        self.dirty_nodes: set[str] = set()
+        # persisted entries of nodes that have not registered since the manager started
+        self.restored: dict[str, tuple[NodeRow, list[EntryRow]]] = {}
 
     # -- tables -------------------------------------------------------------------------
 
@@ -213,6 +219,7 @@ class Metadata:
         if entry.dropped:
             return
         entry.dropped = True
+        self.dirty_keys.add(entry.key)
         self.table(entry.key).pop(entry.key, None)
         node = entry.node
         node.entries.discard(entry.key)
@@ -229,6 +236,7 @@ class Metadata:
             entry.node.ready_bytes -= entry.size
 
     def _forget_file(self, entry: Entry, delete: bool) -> None:
+        self.dirty_keys.add(entry.key)
         node = entry.node
         if node.disk_lru.pop(entry.key, None) is not None:
             node.disk_used -= entry.file_bytes
@@ -253,6 +261,7 @@ class Metadata:
 
     def _release_memory_copy(self, entry: Entry) -> None:
         """An entry with a valid file gives its memory back (no rewrite needed)."""
+        self.dirty_keys.add(entry.key)
         self._forget_memory(entry)
         entry.node.allocator.release(entry.offset, entry.alloc_size)
         entry.alloc_size = 0
@@ -522,6 +531,7 @@ class Metadata:
             entry.node.lru[key] = entry
             entry.node.ready_bytes += entry.size
             self.counters.commits += 1
+            self.dirty_keys.add(key)
             out[key] = "committed"
         if lease is not None and not lease.entries:
             del self.write_leases[lease_id]
@@ -641,6 +651,7 @@ class Metadata:
             return
         entry.on_disk = True
         entry.file_bytes = file_bytes
+        self.dirty_keys.add(key)
         node.disk_used += file_bytes
         node.disk_lru[key] = entry
         self.counters.offloads += 1
@@ -666,6 +677,7 @@ class Metadata:
             self._drop(entry)  # the disk role already deleted a broken file
             return
         entry.in_memory = True
+        self.dirty_keys.add(key)
         node.lru[key] = entry
         node.ready_bytes += entry.size
         self.counters.reloads += 1
@@ -681,6 +693,7 @@ class Metadata:
         delete = []
         wall = time.time()
         for key, size, checksum, file_bytes in files:
+            self.dirty_keys.add(key)
             entry = self.get(key)
             if entry is not None:
                 if (entry.node is node and entry.state is State.READY and not entry.on_disk
@@ -735,6 +748,8 @@ class Metadata:
         node = Node(node_id, incarnation, address, capacity, shm_path, host_id, transports,
                     now, time.time(), disk_capacity)
         self.nodes[node_id] = node
+        self.dirty_nodes.add(node_id)
+        self._restore_node(node)
         return node, True
 
     def heartbeat(self, node_id: str, incarnation: int, reported: dict[str, int] | None = None) -> bool:
@@ -777,6 +792,76 @@ class Metadata:
         node.orders.clear()
         node.reloads.clear()
         node.ready_bytes = node.disk_used = node.offloading_bytes = 0
+
+    # -- persistence --------------------------------------------------------------------
+
+    def restore(self, nodes: list[NodeRow], entries: list[EntryRow]) -> None:
+        """Keep what a previous manager persisted until each node registers again."""
+        by_node: dict[str, list[EntryRow]] = {}
+        for row in entries:
+            by_node.setdefault(row.node_id, []).append(row)
+        for node_row in nodes:
+            self.restored[node_row.node_id] = (node_row, by_node.pop(node_row.node_id, []))
+        for orphans in by_node.values():  # entries of a node we have no row for
+            self.dirty_keys.update(row.key for row in orphans)
+
+    def _restore_node(self, node: Node) -> None:
+        """A node registers: its persisted disk entries serve again if it has its disk;
+        its memory entries too if it kept its incarnation (its buffer survived us)."""
+        saved = self.restored.pop(node.node_id, None)
+        if saved is None:
+            return
+        node_row, rows = saved
+        same_buffer = node_row.incarnation == node.incarnation and node_row.capacity == node.capacity
+        for row in rows:
+            self.dirty_keys.add(row.key)  # whatever is not restored is deleted from the store
+            if self.get(row.key) is not None:
+                continue
+            in_memory = (same_buffer and row.in_memory and row.incarnation == node.incarnation
+                         and node.allocator.reserve(row.mem_offset, row.mem_extent))
+            on_disk = row.on_disk and node.has_disk
+            if not in_memory and not on_disk:
+                continue
+            entry = Entry(row.key, row.size, node, row.mem_offset if in_memory else 0,
+                          row.mem_extent if in_memory else 0, State.READY, row.created, row.created,
+                          gen=next(self._gens), checksum=row.checksum, in_memory=in_memory,
+                          on_disk=on_disk, file_bytes=row.file_bytes if on_disk else 0)
+            self.table(row.key)[row.key] = entry
+            node.entries.add(row.key)
+            if in_memory:
+                node.lru[row.key] = entry
+                node.ready_bytes += entry.size
+            if on_disk:
+                node.disk_lru[row.key] = entry
+                node.disk_used += entry.file_bytes
+
+    def take_changes(self) -> Batch:
+        """The current state of everything changed since the last call."""
+        nodes = [NodeRow(n.node_id, n.incarnation, n.address, n.capacity, n.disk_capacity, n.shm_path,
+                         n.host_id, ",".join(n.transports))
+                 for n in (self.nodes.get(i) for i in self.dirty_nodes) if n is not None]
+        entries, deleted = [], []
+        waiting = {row.key for _, rows in self.restored.values() for row in rows} if self.restored else set()
+        for key in self.dirty_keys:
+            entry = self.get(key)
+            if entry is None or entry.state is not State.READY or not entry.node.alive:
+                if key not in waiting:  # a node not back yet keeps its rows
+                    deleted.append(key)
+                continue
+            in_memory = entry.in_memory and entry.alloc_size > 0 and not entry.reloading
+            entries.append(EntryRow(key, entry.node.node_id, entry.node.incarnation, entry.size,
+                                    entry.checksum, entry.offset if in_memory else 0,
+                                    entry.alloc_size if in_memory else 0, in_memory, entry.on_disk,
+                                    entry.file_bytes, entry.created))
+        self.dirty_keys.clear()
+        self.dirty_nodes.clear()
+        return Batch(nodes, entries, deleted)
+
+    def requeue(self, batch: Batch) -> None:
+        """A batch that could not be written: mark its keys and nodes again."""
+        self.dirty_nodes.update(n.node_id for n in batch.nodes)
+        self.dirty_keys.update(e.key for e in batch.entries)
+        self.dirty_keys.update(batch.deleted_keys)
 
     # -- time ---------------------------------------------------------------------------
 

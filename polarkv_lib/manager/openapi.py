@@ -83,7 +83,9 @@ def openapi_spec() -> dict[str, Any]:
                 "reported": {"type": "object", "additionalProperties": INT}})
     paths: dict[str, Any] = {
         "/healthz": {"get": _op("liveness", obj({"status": {"enum": ["ok"]}, "nodes": INT,
-                                                  "keys_memory": INT}), errors=())},
+                                                  "keys_memory": INT,
+                                                  "metadata_store": {"enum": ["ok", "retrying"]}}),
+                                errors=())},
         "/v1/stats": {"get": _op("counters and sizes", obj({k: INT for k in STATS_KEYS}), errors=(401,))},
         "/v1/nodes": {"get": _op("slab/disk nodes", obj({"nodes": arr(node)}), errors=(401,))},
         "/v1/keys/{key}": {

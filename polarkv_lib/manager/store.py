@@ -1,0 +1,219 @@
+"""Write-behind metadata stores: SQLite (embedded default) and PostgreSQL (asyncpg).
+
+The manager never waits on these while serving. It marks what changed; a background
+task collects the current state of every changed key or node every flush interval and
+writes it in one batch (upserts and deletes), so a burst of changes to one key costs one
+row write. The loss window after a crash is therefore one flush interval plus the time
+of one write (documented in docs/OPERATIONS.md). If the store is down, the batch is kept
+and retried with backoff; changes made meanwhile merge into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from polarkv_lib.errors import ConfigError
+
+NODE_COLUMNS = ("node_id", "incarnation", "address", "capacity", "disk_capacity", "shm_path",
+                "host_id", "transports")
+ENTRY_COLUMNS = ("key", "node_id", "incarnation", "size", "checksum", "mem_offset", "mem_extent",
+                 "in_memory", "on_disk", "file_bytes", "created")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    node_id: str
+    incarnation: int
+    address: str
+    capacity: int
+    disk_capacity: int
+    shm_path: str
+    host_id: str
+    transports: str  # comma separated
+
+
+@dataclass(frozen=True, slots=True)
+class EntryRow:
+    key: str
+    node_id: str
+    incarnation: int
+    size: int
+    checksum: str
+    mem_offset: int
+    mem_extent: int
+    in_memory: bool
+    on_disk: bool
+    file_bytes: int
+    created: float
+
+
+@dataclass(slots=True)
+class Batch:
+    nodes: list[NodeRow]
+    entries: list[EntryRow]
+    deleted_keys: list[str]
+
+    def __len__(self) -> int:
+        return len(self.nodes) + len(self.entries) + len(self.deleted_keys)
+
+
+_SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS polarkv_nodes (
+        node_id TEXT PRIMARY KEY, incarnation BIGINT NOT NULL, address TEXT NOT NULL,
+        capacity BIGINT NOT NULL, disk_capacity BIGINT NOT NULL, shm_path TEXT NOT NULL,
+        host_id TEXT NOT NULL, transports TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS polarkv_entries (
+        key TEXT PRIMARY KEY, node_id TEXT NOT NULL, incarnation BIGINT NOT NULL,
+        size BIGINT NOT NULL, checksum TEXT NOT NULL, mem_offset BIGINT NOT NULL,
+        mem_extent BIGINT NOT NULL, in_memory BOOLEAN NOT NULL, on_disk BOOLEAN NOT NULL,
+        file_bytes BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL)""",
+]
+
+
+def _upsert(table: str, columns: tuple[str, ...], placeholder: str) -> str:
+    marks = ", ".join(placeholder.format(i + 1) for i in range(len(columns)))
+    updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
+    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks}) "
+            f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates}")
+
+
+class MetadataStore(ABC):
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect and create the schema. Raises ConfigError if it cannot."""
+
+    @abstractmethod
+    async def load(self) -> tuple[list[NodeRow], list[EntryRow]]:
+        """Everything persisted, for a manager that starts again."""
+
+    @abstractmethod
+    async def write(self, batch: Batch) -> None:
+        """Apply one batch atomically. Raises on failure (the caller retries)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        ...
+
+
+class SqliteStore(MetadataStore):
+    """SQLite in WAL mode, used from one dedicated thread (never on the event loop)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polarkv-sqlite")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _open(self) -> None:
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        for statement in _SCHEMA:
+            self._db.execute(statement)
+
+    async def open(self) -> None:
+        try:
+            await self._run(self._open)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"manager.metadata_url: cannot open sqlite {self.path}: {exc}") from None
+
+    def _load(self) -> tuple[list[NodeRow], list[EntryRow]]:
+        assert self._db is not None
+        nodes = [NodeRow(*row) for row in self._db.execute(
+            f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")]
+        entries = [EntryRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), bool(r[8]), r[9], r[10])
+                   for r in self._db.execute(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")]
+        return nodes, entries
+
+    async def load(self) -> tuple[list[NodeRow], list[EntryRow]]:
+        result: tuple[list[NodeRow], list[EntryRow]] = await self._run(self._load)
+        return result
+
+    def _write(self, batch: Batch) -> None:
+        assert self._db is not None
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            db.executemany(_upsert("polarkv_nodes", NODE_COLUMNS, "?"),
+                           [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes])
+            db.executemany(_upsert("polarkv_entries", ENTRY_COLUMNS, "?"),
+                           [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries])
+            db.executemany("DELETE FROM polarkv_entries WHERE key = ?", [(k,) for k in batch.deleted_keys])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def write(self, batch: Batch) -> None:
+        await self._run(self._write, batch)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._db.close)
+        self._pool.shutdown(wait=True)
+
+
+class PostgresStore(MetadataStore):
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self._pool: Any = None
+
+    async def open(self) -> None:
+        try:
+            import asyncpg
+        except ImportError:
+            raise ConfigError("manager.metadata_url: postgresql needs asyncpg "
+                              "(pip install 'polarkv[postgres]')") from None
+        try:
+            self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=2, timeout=5,
+                                                   command_timeout=10)
+            async with self._pool.acquire() as conn:
+                for statement in _SCHEMA:
+                    await conn.execute(statement)
+        except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+            raise ConfigError(f"manager.metadata_url: cannot use PostgreSQL: {exc}") from None
+
+    async def load(self) -> tuple[list[NodeRow], list[EntryRow]]:
+        async with self._pool.acquire() as conn:
+            nodes = [NodeRow(*r) for r in await conn.fetch(
+                f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")]
+            entries = [EntryRow(*r) for r in await conn.fetch(
+                f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")]
+        return nodes, entries
+
+    async def write(self, batch: Batch) -> None:
+        async with self._pool.acquire() as conn, conn.transaction():
+            if batch.nodes:
+                await conn.executemany(_upsert("polarkv_nodes", NODE_COLUMNS, "${}"),
+                                       [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes])
+            if batch.entries:
+                await conn.executemany(_upsert("polarkv_entries", ENTRY_COLUMNS, "${}"),
+                                       [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries])
+            if batch.deleted_keys:
+                await conn.execute("DELETE FROM polarkv_entries WHERE key = ANY($1::text[])",
+                                   batch.deleted_keys)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            try:
+                await asyncio.wait_for(self._pool.close(), 5)
+            except (TimeoutError, OSError):
+                self._pool.terminate()
+
+
+def open_store(url: str) -> MetadataStore:
+    if url.startswith("sqlite:///"):
+        return SqliteStore(url[len("sqlite:///"):] or "polarkv-meta.db")
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresStore(url)
+    raise ConfigError(f"manager.metadata_url: unsupported store {url!r}")
