@@ -30,6 +30,7 @@ from polarkv_lib.keys import check_key, chunk_keys
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
 from polarkv_lib.transport.shm import ShmTransport
 from polarkv_lib.transport.tcp import TcpTransport
+from polarkv_lib.wire.control import MAX_WAIT
 
 # stdlib logging, not structlog: the client lives inside engines, which own log config.
 log = logging.getLogger("polarkv.client")
@@ -248,7 +249,7 @@ class AsyncPolarKVClient:
         """How long the manager may wait on our behalf (for a reload, or for room that
         offloads are making): what is left of our deadline, less time for the reply and
         the transfer that follows."""
-        return round(max(0.0, (deadline - time.monotonic()) * 0.5), 3)
+        return round(min(MAX_WAIT, max(0.0, (deadline - time.monotonic()) * 0.5)), 3)
 
     async def _checksums(self, views: list[memoryview]) -> list[str]:
         if sum(len(v) for v in views) < 1 << 20:

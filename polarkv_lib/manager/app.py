@@ -222,7 +222,10 @@ class ManagerService:
             if exc.status < 400:
                 raise
             reason = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-            return error_response(reason, exc.status)
+            response = error_response(reason, exc.status)
+            if "Allow" in exc.headers:  # 405 must say what is allowed (RFC 9110)
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
         except Exception:
             log.exception("unhandled error", endpoint=endpoint)
             return error_response("internal error", 500)
@@ -287,7 +290,7 @@ class ManagerService:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return json_response(openapi_spec())
+        return json_response(openapi_spec(self.limits.max_batch, self.limits.max_object_size))
 
     # -- control ------------------------------------------------------------------------
 

@@ -82,7 +82,8 @@ class Node:
     entries: set[str] = field(default_factory=set)
     ready_bytes: int = 0
     disk_used: int = 0
-    offloading_bytes: int = 0
+    offloading_bytes: int = 0  # memory extents being offloaded (queued or in flight)
+    offloading_files: int = 0  # and the file bytes they will take
     last_alloc: int = 0  # size class of the latest allocation: the room the next one needs
     pressure: int = 0  # bytes refused for room since the last offload plan
     reloads: dict[int, Entry] = field(default_factory=dict)  # by entry gen
@@ -125,6 +126,7 @@ class Entry:
 class ReadLease:
     entries: list[Entry]
     expires: float
+    disk_hits: set[int] = field(default_factory=set)  # gens counted as disk hits
 
 
 @dataclass(slots=True)
@@ -229,6 +231,7 @@ class Metadata:
         if entry.offloading:  # its file will be deleted when the offload reports back
             entry.offloading = False
             node.offloading_bytes -= entry.alloc_size
+            node.offloading_files -= entry.size + 4096
         self._maybe_free(entry)
 
     def _forget_memory(self, entry: Entry) -> None:
@@ -318,12 +321,14 @@ class Metadata:
             return hits, lease_id if lease_id in self.read_leases else None
         for entry in hits:
             entry.readers += 1
+        disk_hits = {e.gen for e in hits if e.reloading}
         lease = self.read_leases.get(lease_id or "")
         if lease is not None and lease_id:
             lease.entries.extend(hits)
+            lease.disk_hits |= disk_hits
             return hits, lease_id
         lease_id = new_id()
-        self.read_leases[lease_id] = ReadLease(list(hits), now + self.read_lease_ttl)
+        self.read_leases[lease_id] = ReadLease(list(hits), now + self.read_lease_ttl, disk_hits)
         return hits, lease_id
 
     def settle_lookup(self, lease_id: str | None, hits: list[Entry]) -> list[Entry]:
@@ -333,10 +338,12 @@ class Metadata:
         if served == len(hits):
             return hits
         gone = hits[served:]
-        self.counters.hits -= len(gone)
-        self.counters.hits_disk -= len(gone)
-        self.counters.misses += len(gone)
         lease = self.read_leases.get(lease_id or "")
+        from_disk = sum(1 for e in gone if lease is not None and e.gen in lease.disk_hits)
+        self.counters.hits -= len(gone)
+        self.counters.hits_disk -= from_disk
+        self.counters.hits_memory -= len(gone) - from_disk
+        self.counters.misses += len(gone)
         if lease is not None:
             for entry in gone:
                 self._unref(entry)
@@ -360,6 +367,7 @@ class Metadata:
             return False
         got = self._alloc_on(node, entry.size, protected)
         if got is None:
+            node.pressure += size_class(entry.size)
             return False
         entry.offset, entry.alloc_size = got
         entry.reloading = True
@@ -449,8 +457,11 @@ class Metadata:
             results.append(AllocResult(key, AllocStatus.ALLOCATED, entry))
         if not lease_entries:
             return results, None
+        expires = self.clock() + self.write_lease_ttl
         if lease is None:
-            self.write_leases[lease_key] = WriteLease(lease_entries, self.clock() + self.write_lease_ttl)
+            self.write_leases[lease_key] = WriteLease(lease_entries, expires)
+        else:  # new grants run a full lease from now; the lease (and any quarantine) must too
+            lease.expires = max(lease.expires, expires)
         return results, lease_key
 
     def _place(self, size: int, protected: set[str]) -> tuple[Node, int, int] | None:
@@ -465,6 +476,9 @@ class Metadata:
                 if got is not None:
                     node.last_alloc = got[1]
                     return node, *got
+        for node in nodes:  # nowhere: the next offload plans make room for it
+            if node.has_disk:
+                node.pressure += size_class(size)
         return None
 
     def _memory_limit(self, node: Node) -> int:
@@ -483,10 +497,7 @@ class Metadata:
                 return got
         if not make_room:
             return None
-        got = self._make_room(node, size, need, limit, protected)
-        if got is None and node.has_disk:
-            node.pressure += need  # the next offload plan makes room for this too
-        return got
+        return self._make_room(node, size, need, limit, protected)
 
     def _make_room(self, node: Node, size: int, need: int, limit: int, protected: set[str]
                    ) -> tuple[int, int] | None:
@@ -589,6 +600,7 @@ class Metadata:
             entry.offloading = True
             entry.order_deadline = now + ORDER_TIMEOUT
             node.offloading_bytes += entry.alloc_size
+            node.offloading_files += entry.size + 4096
             projected -= entry.alloc_size
             node.orders.append(self._order("offload", entry))
 
@@ -596,7 +608,7 @@ class Metadata:
         """Make room on the disk for one more file by deleting the oldest ones."""
         budget = node.disk_capacity * self.disk_high
         need = size + 4096
-        pending = sum(int(o["size"]) + 4096 for o in node.orders if o["op"] == "offload")
+        pending = node.offloading_files
         victims = [e for e in node.disk_lru.values() if not e.reloading and e.readers == 0]
         for victim in victims:
             if node.disk_used + pending + need <= budget:
@@ -637,12 +649,15 @@ class Metadata:
             return
         entry = self._ordered_entry(node, key, gen)
         if entry is None or not entry.offloading:
-            if ok and (entry is None or not entry.on_disk):  # deleted meanwhile: the file goes too
+            current = self.get(key)
+            keeps_file = current is not None and current.node is node and (current.on_disk or current.offloading)
+            if ok and not keeps_file:  # deleted meanwhile: the file goes too
                 node.orders.append({"op": "delete", "key": key, "gen": gen, "node": node.node_id,
                                     "offset": 0, "size": 0, "extent": 0, "checksum": ""})
             return
         entry.offloading = False
         node.offloading_bytes -= entry.alloc_size
+        node.offloading_files -= entry.size + 4096
         if not ok:
             self._tier_failure("offload", reason)
             if reason == "disk_full" and entry.readers == 0:
@@ -672,6 +687,13 @@ class Metadata:
             return
         if not ok:
             self._tier_failure("reload", reason)
+            if reason == "timeout":
+                # The disk role never answered: its read may still land in this extent,
+                # so the extent waits out another order timeout; the file is kept.
+                node.quarantine.append((self.clock() + ORDER_TIMEOUT, entry.offset, entry.alloc_size))
+                entry.alloc_size = 0
+                entry.in_memory = False
+                return
             if reason == "checksum":
                 self.counters.checksum_failures += 1
             self._drop(entry)  # the disk role already deleted a broken file
@@ -791,7 +813,7 @@ class Metadata:
         node.disk_lru.clear()
         node.orders.clear()
         node.reloads.clear()
-        node.ready_bytes = node.disk_used = node.offloading_bytes = 0
+        node.ready_bytes = node.disk_used = node.offloading_bytes = node.offloading_files = 0
 
     # -- persistence --------------------------------------------------------------------
 

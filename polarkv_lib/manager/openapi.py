@@ -31,7 +31,11 @@ def arr(items: dict[str, Any], min_items: int = 0) -> dict[str, Any]:
 
 NULLABLE_LEASE = {"oneOf": [LEASE, {"type": "null"}]}
 ERROR = obj({"error": STR})
-NODE_REF = obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}})
+NODE_ID = {"type": "string", "pattern": "^[A-Za-z0-9._:\\-\\[\\]]{1,128}$"}
+INCARNATION = {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
+POSITIVE = {"type": "integer", "minimum": 1, "maximum": 2**62}  # JSON numbers stay within 64 bits
+NONNEGATIVE = {"type": "integer", "minimum": 0, "maximum": 2**62}
+NODE_REF = obj({"node_id": NODE_ID, "incarnation": INCARNATION})
 NODE_VIEW = obj({"address": STR, "shm_path": STR, "host_id": STR, "transports": arr(STR),
                  "incarnation": INT})
 REGION = {"key": KEY, "node": STR, "offset": INT, "size": INT, "checksum": STR,
@@ -46,7 +50,7 @@ STATS_KEYS = [
     "expired_read_leases", "checksum_failures", "deletes", "entries_lost", "read_leases",
     "write_leases", "nodes", "nodes_dead",
 ]
-WAIT = {"type": "number", "minimum": 0, "maximum": 60}
+WAIT = {"type": "number", "minimum": 0, "maximum": 10}
 ORDER = obj({"op": {"enum": ["offload", "reload", "delete"]}, "key": KEY, "gen": INT, "node": STR,
              "offset": INT, "size": INT, "extent": INT, "checksum": STR})
 
@@ -70,7 +74,13 @@ def _op(summary: str, ok: dict[str, Any], body: dict[str, Any] | None = None,
 KEY_PARAM = [{"name": "key", "in": "path", "required": True, "schema": KEY}]
 
 
-def openapi_spec() -> dict[str, Any]:
+def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dict[str, Any]:
+    """The document for a manager with these limits (each manager serves its own)."""
+
+    def batch(items: dict[str, Any], min_items: int = 0) -> dict[str, Any]:
+        return {**arr(items, min_items), "maxItems": max_batch}
+
+    size = {"type": "integer", "minimum": 1, "maximum": max_object_size}
     key_view = obj({"key": KEY, "state": {"enum": ["writing", "ready"]},
                     "tiers": arr({"enum": ["memory", "disk"]}), "node": STR, "size": INT,
                     "checksum": {"oneOf": [CHECKSUM, {"type": "null"}]}, "readers": INT,
@@ -105,58 +115,62 @@ def openapi_spec() -> dict[str, Any]:
                  "additionalProperties": NODE_VIEW},
                  "entries": arr(obj({"key": KEY, "size": INT, "checksum": STR},
                                     {k: v for k, v in REGION.items() if k not in ("key", "size", "checksum")}))}),
-            obj({"keys": arr(KEY, 1)}, {"lease": {"type": "boolean"}, "wait": WAIT}))},
+            obj({"keys": batch(KEY, 1)}, {"lease": {"type": "boolean"}, "wait": WAIT}))},
         "/v1/allocate": {"post": _op(
             "first writer wins: allocate space and WRITE grants under one write lease",
             obj({"lease": NULLABLE_LEASE, "nodes": {"type": "object", "additionalProperties": NODE_VIEW},
                  "results": arr(obj({"key": KEY, "status": {
                      "enum": ["allocated", "exists", "in_progress", "no_space"]}},
                      {k: v for k, v in REGION.items() if k != "key"}))}),
-            obj({"items": arr(obj({"key": KEY, "size": {"type": "integer", "minimum": 1}}), 1)},
+            obj({"items": batch(obj({"key": KEY, "size": size}), 1)},
                 {"wait": WAIT}))},
         "/v1/commit": {"post": _op(
             "write-finish: make written entries visible",
             obj({"results": {"type": "object", "additionalProperties": {
                 "enum": ["committed", "lease_expired", "not_in_lease", "dropped"]}}}),
-            obj({"lease": LEASE, "items": arr(obj({"key": KEY, "checksum": CHECKSUM}), 1)}))},
+            obj({"lease": LEASE, "items": batch(obj({"key": KEY, "checksum": CHECKSUM}), 1)}))},
         "/v1/abort": {"post": _op(
             "give up writes and free their space", obj({"aborted": INT}),
-            obj({"lease": LEASE}, {"keys": arr(KEY)}))},
+            obj({"lease": LEASE}, {"keys": batch(KEY)}))},
         "/v1/release": {"post": _op(
             "end read leases early; report keys whose bytes failed their checksum",
-            obj({"released": INT}), obj({"leases": arr(LEASE, 1)}, {"corrupt": arr(KEY)}))},
+            obj({"released": INT}), obj({"leases": batch(LEASE, 1)}, {"corrupt": batch(KEY)}))},
         "/v1/renew": {"post": _op(
-            "extend read or write leases", obj({"renewed": arr(LEASE)}), obj({"leases": arr(LEASE, 1)}))},
+            "extend read or write leases", obj({"renewed": arr(LEASE)}), obj({"leases": batch(LEASE, 1)}))},
         "/v1/nodes/register": {"post": _op(
             "a slab joins (or rejoins) with its incarnation",
             obj({"node_id": STR, "incarnation": INT, "heartbeat_ttl": NUM}, {"grant_key": STR}),
-            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}, "address": STR,
-                 "capacity": {"type": "integer", "minimum": 1}},
+            obj({"node_id": NODE_ID, "incarnation": INCARNATION,
+                 "address": {"type": "string", "pattern": "^.+:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3})$"},
+                 "capacity": {"type": "integer", "minimum": 1, "maximum": 2**50 - 1}},
                 {"shm_path": STR, "host_id": STR, "transports": arr({"enum": ["tcp", "shm", "rdma"]}, 1),
-                 "disk_capacity": {"type": "integer", "minimum": 0}}),
+                 "disk_capacity": {"type": "integer", "minimum": 0, "maximum": 2**62 - 1}}),
             errors=(400, 401, 403))},
         "/v1/nodes/heartbeat": {"post": _op(
             "a slab is alive (and reports its own counters)", obj({"ok": {"type": "boolean"}}),
-            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}},
-                {"stats": {"type": "object", "additionalProperties": INT}}),
+            obj({"node_id": NODE_ID, "incarnation": INCARNATION},
+                {"stats": {"type": "object", "maxProperties": 256, "propertyNames": {"maxLength": 64},
+                           "additionalProperties": {"type": "integer", "minimum": -2**62, "maximum": 2**62}}}),
             errors=(400, 401, 403), extra={404: "unknown node or incarnation: register again"})},
         "/v1/nodes/orders": {"post": _op(
             "long poll of a node's disk role for offload/reload/delete orders",
             obj({"orders": arr(ORDER)}),
-            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1}}, {"wait": WAIT}),
+            obj({"node_id": NODE_ID, "incarnation": INCARNATION}, {"wait": WAIT}),
             errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation: register again"})},
         "/v1/nodes/done": {"post": _op(
             "a disk role reports finished orders", obj({"ok": {"type": "boolean"}}),
-            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1},
-                 "results": arr(obj({"op": {"enum": ["offload", "reload", "delete"]}, "key": KEY,
-                                     "gen": INT, "ok": {"type": "boolean"}},
-                                    {"reason": STR, "file_bytes": INT, "seconds": NUM}), 1)}),
+            obj({"node_id": NODE_ID, "incarnation": INCARNATION,
+                 "results": batch(obj({"op": {"enum": ["offload", "reload", "delete"]}, "key": KEY,
+                                     "gen": NONNEGATIVE, "ok": {"type": "boolean"}},
+                                    {"reason": {"type": "string", "maxLength": 64}, "file_bytes": NONNEGATIVE,
+                                     "seconds": {"type": "number", "minimum": 0}}), 1)}),
             errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation: register again"})},
         "/v1/nodes/adopt": {"post": _op(
             "a restarted slab+disk reports the files it holds; they serve hits again",
             obj({"adopted": INT, "delete": arr(KEY)}),
-            obj({"node_id": STR, "incarnation": {"type": "integer", "minimum": 1},
-                 "files": arr(obj({"key": KEY, "size": INT, "checksum": CHECKSUM, "file_bytes": INT}))}),
+            obj({"node_id": NODE_ID, "incarnation": INCARNATION,
+                 "files": batch(obj({"key": KEY, "size": size, "checksum": CHECKSUM,
+                                   "file_bytes": POSITIVE}))}),
             errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation, or no disk role"})},
         "/v1/nodes/unregister": {"post": _op(
             "a slab leaves; its entries are dropped", obj({"ok": {"type": "boolean"}}), NODE_REF,

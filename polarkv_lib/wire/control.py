@@ -37,6 +37,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def _only(obj: dict[str, Any], allowed: set[str], where: str = "body") -> None:
+    """Unknown fields are refused, not ignored: a misspelt option must not pass silently."""
+    for name in obj:
+        if name not in allowed:
+            raise BadRequest(f"{where}: unknown field {name!r:.40}")
+
+
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
     if name not in body:
         if default is ...:
@@ -74,7 +81,7 @@ def _keys(body: dict[str, Any], name: str, limits: Limits, allow_empty: bool = F
     return [_key(k, f"{name}[{i}]") for i, k in enumerate(_batch(body, name, limits, allow_empty))]
 
 
-MAX_WAIT = 60.0
+MAX_WAIT = 10.0  # seconds: a client's whole budget; a disk role's long poll
 
 
 def _wait(body: dict[str, Any], default: float) -> float:
@@ -93,6 +100,7 @@ class LookupRequest:
 
 
 def parse_lookup(body: dict[str, Any], limits: Limits) -> LookupRequest:
+    _only(body, {"keys", "lease", "wait"})
     return LookupRequest(_keys(body, "keys", limits), _field(body, "lease", bool, True), _wait(body, 1.0))
 
 
@@ -109,10 +117,12 @@ class AllocateRequest:
 
 
 def parse_allocate(body: dict[str, Any], limits: Limits) -> AllocateRequest:
+    _only(body, {"items", "wait"})
     out = []
     for i, item in enumerate(_batch(body, "items", limits)):
         if not isinstance(item, dict):
             raise BadRequest(f"items[{i}] must be an object with 'key' and 'size'")
+        _only(item, {"key", "size"}, f"items[{i}]")
         key = _key(item.get("key"), f"items[{i}].key")
         size = item.get("size")
         if not isinstance(size, int) or isinstance(size, bool):
@@ -133,11 +143,13 @@ class CommitRequest:
 
 
 def parse_commit(body: dict[str, Any], limits: Limits) -> CommitRequest:
+    _only(body, {"lease", "items"})
     lease = _lease(_field(body, "lease", str), "lease")
     items = []
     for i, item in enumerate(_batch(body, "items", limits)):
         if not isinstance(item, dict):
             raise BadRequest(f"items[{i}] must be an object with 'key' and 'checksum'")
+        _only(item, {"key", "checksum"}, f"items[{i}]")
         key = _key(item.get("key"), f"items[{i}].key")
         checksum = item.get("checksum")
         if not isinstance(checksum, str) or not _HEX16.fullmatch(checksum):
@@ -153,6 +165,7 @@ class AbortRequest:
 
 
 def parse_abort(body: dict[str, Any], limits: Limits) -> AbortRequest:
+    _only(body, {"lease", "keys"})
     lease = _lease(_field(body, "lease", str), "lease")
     keys = _keys(body, "keys", limits, allow_empty=True) if "keys" in body else None
     return AbortRequest(lease, keys)
@@ -165,12 +178,14 @@ class ReleaseRequest:
 
 
 def parse_release(body: dict[str, Any], limits: Limits) -> ReleaseRequest:
+    _only(body, {"leases", "corrupt"})
     leases = [_lease(v, f"leases[{i}]") for i, v in enumerate(_batch(body, "leases", limits))]
     corrupt = _keys(body, "corrupt", limits, allow_empty=True) if "corrupt" in body else []
     return ReleaseRequest(leases, corrupt)
 
 
 def parse_renew(body: dict[str, Any], limits: Limits) -> list[str]:
+    _only(body, {"leases"})
     return [_lease(v, f"leases[{i}]") for i, v in enumerate(_batch(body, "leases", limits))]
 
 
@@ -201,6 +216,8 @@ class RegisterRequest:
 
 
 def parse_register(body: dict[str, Any]) -> RegisterRequest:
+    _only(body, {"node_id", "incarnation", "address", "capacity", "shm_path", "host_id", "transports",
+                 "disk_capacity"})
     address = _field(body, "address", str)
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
@@ -236,7 +253,8 @@ class NodeRef:
     incarnation: int
 
 
-def parse_node_ref(body: dict[str, Any]) -> NodeRef:
+def parse_node_ref(body: dict[str, Any], extra: tuple[str, ...] = ()) -> NodeRef:
+    _only(body, {"node_id", "incarnation", *extra})
     return NodeRef(_node_id(body), _incarnation(body))
 
 
@@ -245,7 +263,7 @@ def parse_heartbeat(body: dict[str, Any]) -> tuple[NodeRef, dict[str, int]]:
     if len(stats) > 256 or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, int)
                                    and not isinstance(v, bool) for k, v in stats.items()):
         raise BadRequest("'stats' must map up to 256 short names to integers")
-    return parse_node_ref(body), stats
+    return parse_node_ref(body, ("stats",)), stats
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +286,7 @@ def parse_done(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[Orde
         where = f"results[{i}]"
         if not isinstance(item, dict):
             raise BadRequest(f"{where} must be an object")
+        _only(item, {"op", "key", "gen", "ok", "reason", "file_bytes", "seconds"}, where)
         op, ok, reason = item.get("op"), item.get("ok"), item.get("reason", "")
         gen, file_bytes, seconds = item.get("gen"), item.get("file_bytes", 0), item.get("seconds", 0.0)
         if op not in _OPS:
@@ -282,11 +301,11 @@ def parse_done(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[Orde
         assert isinstance(gen, int) and isinstance(file_bytes, int)
         out.append(OrderResult(op, _key(item.get("key"), f"{where}.key"), gen, ok, reason, file_bytes,
                                float(seconds)))
-    return parse_node_ref(body), out
+    return parse_node_ref(body, ("results",)), out
 
 
 def parse_orders(body: dict[str, Any]) -> tuple[NodeRef, float]:
-    return parse_node_ref(body), _wait(body, 5.0)
+    return parse_node_ref(body, ("wait",)), _wait(body, 5.0)
 
 
 def parse_adopt(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[tuple[str, int, str, int]]]:
@@ -295,6 +314,7 @@ def parse_adopt(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[tup
         where = f"files[{i}]"
         if not isinstance(item, dict):
             raise BadRequest(f"{where} must be an object")
+        _only(item, {"key", "size", "checksum", "file_bytes"}, where)
         size, file_bytes, checksum = item.get("size"), item.get("file_bytes"), item.get("checksum")
         for name, value in (("size", size), ("file_bytes", file_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -305,4 +325,4 @@ def parse_adopt(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[tup
         if not isinstance(checksum, str) or not _HEX16.fullmatch(checksum):
             raise BadRequest(f"{where}.checksum must be 16 lowercase hex characters")
         files.append((_key(item.get("key"), f"{where}.key"), size, checksum, file_bytes))
-    return parse_node_ref(body), files
+    return parse_node_ref(body, ("files",)), files

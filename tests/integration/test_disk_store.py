@@ -89,5 +89,5 @@ def test_capacity_and_faults(tmp_path: Path) -> None:
 def test_unwritable_path_is_a_config_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(ConfigError, match="disk.paths"):
+    with pytest.raises(ConfigError, match=r"disk\.paths"):
         DiskStore((str(blocker / "sub"),), 1 << 30, False)
