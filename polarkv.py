@@ -52,9 +52,12 @@ def _config(ctx: click.Context) -> Config:
               help="Log format (overrides log.format).")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Write a JSON line with the bound addresses here once serving.")
+@click.option("--insecure", is_flag=True, default=False,
+              help="Allow listening beyond loopback without security.token.")
 @click.pass_context
 def main(ctx: click.Context, roles: tuple[str, ...], config_path: str | None,
-         overrides: tuple[str, ...], log_format: str | None, ready_file: str | None) -> None:
+         overrides: tuple[str, ...], log_format: str | None, ready_file: str | None,
+         insecure: bool) -> None:
     """PolarKV: a shared, tiered KV cache for LLM inference."""
     ctx.obj = {"config_path": config_path, "overrides": list(overrides), "log_format": log_format}
     if ctx.invoked_subcommand is not None:
@@ -68,7 +71,7 @@ def main(ctx: click.Context, roles: tuple[str, ...], config_path: str | None,
         _fail(str(exc))
     logs.configure(config.log.format, config.log.level)
     try:
-        asyncio.run(runner.run(config, role_set, ready_file))
+        asyncio.run(runner.run(config, role_set, ready_file, insecure=insecure))
     except ConfigError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import os
 import signal
 import socket
@@ -35,6 +36,27 @@ def resolve_roles(requested: tuple[str, ...]) -> set[str]:
     return roles
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(config: Config, roles: set[str], insecure: bool) -> None:
+    """Listening beyond loopback without a token would hand the cache (and, through
+    node registration, the grant key) to anyone on the network."""
+    if insecure or config.security.token:
+        return
+    for role, key, address in (("manager", "manager.listen", config.manager.listen),
+                               ("slab", "slab.listen", config.slab.listen)):
+        if role in roles and not _is_loopback(parse_address(address)[0]):
+            raise ConfigError(f"{key}: {address} is reachable from other hosts but security.token "
+                              f"is empty; set a token (and security.admin_token) or pass --insecure")
+
+
 def bind(address: str, key: str) -> socket.socket:
     host, port = parse_address(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -50,8 +72,9 @@ def bind(address: str, key: str) -> socket.socket:
 
 
 async def run(config: Config, roles: set[str], ready_file: str | None = None,
-              stop: asyncio.Event | None = None) -> None:
+              stop: asyncio.Event | None = None, insecure: bool = False) -> None:
     stop = stop or asyncio.Event()
+    check_exposure(config, roles, insecure)
     manager_sock = bind(config.manager.listen, "manager.listen") if "manager" in roles else None
     try:
         slab_sock = bind(config.slab.listen, "slab.listen") if "slab" in roles else None

@@ -44,7 +44,8 @@ class PolarKV:
     """One running `polarkv` process."""
 
     def __init__(self, workdir: Path, name: str, roles: list[str], settings: dict[str, str | None],
-                 env: dict[str, str] | None = None, config_file: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, config_file: Path | None = None,
+                 extra_args: list[str] | None = None) -> None:
         self.workdir = workdir
         self.name = name
         self.ready_file = workdir / f"{name}.ready.json"
@@ -57,7 +58,7 @@ class PolarKV:
         for key, value in settings.items():
             if value is not None:  # None: leave the key to the file, env or default
                 args += ["--set", f"{key}={value}"]
-        args += ["--ready-file", str(self.ready_file)]
+        args += ["--ready-file", str(self.ready_file), *(extra_args or [])]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(args, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
@@ -118,7 +119,7 @@ class Cluster:
 
     def start(self, roles: list[str], settings: dict[str, str | None] | None = None,
               name: str | None = None, env: dict[str, str] | None = None, wait: bool = True,
-              config_file: Path | None = None) -> PolarKV:
+              config_file: Path | None = None, extra_args: list[str] | None = None) -> PolarKV:
         base: dict[str, str | None] = {"log.level": "info"}
         if "manager" in roles or not roles:
             base["manager.listen"] = "127.0.0.1:0"
@@ -128,7 +129,7 @@ class Cluster:
         name = name or f"p{len(self.procs)}"
         if "disk" in roles or not roles:
             base.update({"disk.paths": str(self.workdir / f"{name}-disk"), "disk.capacity": "1GiB"})
-        proc = PolarKV(self.workdir, name, roles, {**base, **(settings or {})}, env, config_file)
+        proc = PolarKV(self.workdir, name, roles, {**base, **(settings or {})}, env, config_file, extra_args)
         self.procs.append(proc)
         return proc.wait_ready() if wait else proc
 

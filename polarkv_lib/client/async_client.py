@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 import xxhash
 
 from polarkv_lib.client.control import ControlClient
-from polarkv_lib.errors import PolarKVError
+from polarkv_lib.client.breaker import CircuitBreaker
+from polarkv_lib.errors import NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.keys import check_key, chunk_keys
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
 from polarkv_lib.transport.shm import ShmTransport
@@ -83,7 +84,8 @@ def _region(entry: dict[str, Any], nodes: dict[str, NodeTarget]) -> Region:
 class AsyncPolarKVClient:
     def __init__(self, manager_url: str = "http://127.0.0.1:8170", namespace: str = "",
                  chunk_tokens: int = 256, token: str | None = None, transport: str = "auto",
-                 timeout: float = 2.0, connections: int = 4, window: int = 64) -> None:
+                 timeout: float = 2.0, connections: int = 4, window: int = 64,
+                 breaker_interval: float = 1.0) -> None:
         if not isinstance(manager_url, str) or not manager_url.startswith(("http://", "https://")):
             raise ValueError(f"manager_url must be an http(s) URL, got {manager_url!r}")
         if not isinstance(namespace, str):
@@ -102,7 +104,9 @@ class AsyncPolarKVClient:
         self.timeout = float(timeout)
         self.window = window
         self.stats = ClientStats()
-        self._control = ControlClient(manager_url, token)
+        self._control = ControlClient(manager_url, token, breaker_interval)
+        self._breaker_interval = breaker_interval
+        self._slab_breakers: dict[str, CircuitBreaker] = {}
         self._tcp = TcpTransport(max_idle_per_node=connections)
         self._shm = ShmTransport() if transport in ("auto", "shm") else None
         self._preference = transport
@@ -223,10 +227,21 @@ class AsyncPolarKVClient:
         transport = self._transport_for(region.node)
         if transport is None:
             return False
+        address = region.node.address
+        breaker = self._slab_breakers.get(address)
+        if breaker is None:
+            breaker = self._slab_breakers[address] = CircuitBreaker(f"slab {address}", self._breaker_interval)
         fn = transport.write_from if write else transport.read_into
         try:
+            breaker.check()
             await asyncio.get_running_loop().run_in_executor(self._pool, fn, region, view, deadline)
+            breaker.success()
             return True
+        except (NetworkError, OperationTimeout) as exc:
+            breaker.failure()  # unreachable: the next transfers to it fail fast for a while
+            self.stats.transfer_failures += 1
+            log.debug("transfer with %s failed: %s", region.node.node_id, exc)
+            return False
         except PolarKVError as exc:
             self.stats.transfer_failures += 1
             log.debug("transfer with %s failed: %s", region.node.node_id, exc)

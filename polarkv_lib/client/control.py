@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from polarkv_lib.client.breaker import CircuitBreaker
 from polarkv_lib.errors import (
     AccessDenied,
     BadRequest,
@@ -23,12 +24,13 @@ from polarkv_lib.errors import (
 
 
 class ControlClient:
-    def __init__(self, manager_url: str, token: str | None) -> None:
+    def __init__(self, manager_url: str, token: str | None, breaker_interval: float = 1.0) -> None:
         self.base = manager_url.rstrip("/")
         self._headers = {"Content-Type": "application/json"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._session: aiohttp.ClientSession | None = None
+        self.breaker = CircuitBreaker(f"manager {self.base}", breaker_interval)
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -39,19 +41,31 @@ class ControlClient:
         return self._session
 
     async def post(self, path: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise OperationTimeout("deadline passed before the request")
-        session = self._get_session()
-        try:
-            async with session.post(self.base + path, data=orjson.dumps(body),
-                                    timeout=aiohttp.ClientTimeout(total=left)) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except TimeoutError:
-            raise OperationTimeout(f"manager did not answer {path} in time") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise NetworkError(f"manager unreachable ({path}): {exc}") from None
+        self.breaker.check()
+        payload = orjson.dumps(body)
+        for attempt in (1, 2):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OperationTimeout("deadline passed before the request")
+            try:
+                async with self._get_session().post(self.base + path, data=payload,
+                                                    timeout=aiohttp.ClientTimeout(total=left)) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+                break
+            except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
+                self.breaker.failure()
+                raise OperationTimeout(f"manager did not answer {path} in time") from None
+            except aiohttp.ServerDisconnectedError as exc:
+                # A pooled connection the manager had closed (it restarted, or dropped an
+                # idle socket): one fresh try, then it is a real fault.
+                if attempt == 2:
+                    self.breaker.failure()
+                    raise NetworkError(f"manager closed the connection ({path}): {exc}") from None
+            except (aiohttp.ClientError, OSError) as exc:
+                self.breaker.failure()
+                raise NetworkError(f"manager unreachable ({path}): {exc}") from None
+        self.breaker.success()
         try:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -21,10 +21,11 @@ T = TypeVar("T")
 class PolarKVClient:
     def __init__(self, manager_url: str = "http://127.0.0.1:8170", namespace: str = "",
                  chunk_tokens: int = 256, token: str | None = None, transport: str = "auto",
-                 timeout: float = 2.0, connections: int = 4, window: int = 64) -> None:
+                 timeout: float = 2.0, connections: int = 4, window: int = 64,
+                 breaker_interval: float = 1.0) -> None:
         # Validate in the caller's thread so mistakes raise here, before a thread starts.
         self._client = AsyncPolarKVClient(manager_url, namespace, chunk_tokens, token, transport,
-                                          timeout, connections, window)
+                                          timeout, connections, window, breaker_interval)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="polarkv-client",
                                         daemon=True)

@@ -63,6 +63,21 @@ def test_unwritable_disk_path_names_the_key(tmp_path: Path) -> None:
     assert "disk.paths" in done.stderr and "not writable" in done.stderr
 
 
+def test_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> None:
+    done = run("--role", "manager", "--set", "manager.listen=0.0.0.0:0", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "manager.listen" in done.stderr and "--insecure" in done.stderr
+    done = run("--role", "slab", "--set", "slab.listen=0.0.0.0:0", cwd=tmp_path)
+    assert done.returncode == 2 and "slab.listen" in done.stderr
+
+
+@pytest.mark.parametrize("extra", [["--insecure"], ["--set", "security.token=t0ken"]])
+def test_beyond_loopback_with_a_token_or_insecure(cluster: Cluster, extra: list[str]) -> None:
+    node = cluster.start(["manager"], {"manager.listen": "0.0.0.0:0"}, name="open", extra_args=extra)
+    port = node.manager_url.rpartition(":")[2]
+    assert http("GET", f"http://127.0.0.1:{port}/healthz")[0] == 200
+
+
 def test_port_in_use_names_the_key(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 from polarkv_lib.client import PolarKVClient
 from tests.conftest import Cluster, stats, wait_for
@@ -47,7 +48,7 @@ def test_killed_slab_means_misses(cluster: Cluster) -> None:
 def test_killed_or_hung_manager_means_misses(cluster: Cluster) -> None:
     node = cluster.embedded()
     tokens, chunks = _prompt(4)
-    with PolarKVClient(node.manager_url, chunk_tokens=CT, timeout=TIMEOUT) as c:
+    with PolarKVClient(node.manager_url, chunk_tokens=CT, timeout=TIMEOUT, breaker_interval=0.5) as c:
         assert c.store_kv(tokens, chunks) == 4
         os.kill(node.proc.pid, signal.SIGSTOP)  # hung: accepts nothing, answers nothing
         try:
@@ -58,6 +59,7 @@ def test_killed_or_hung_manager_means_misses(cluster: Cluster) -> None:
             assert c.get("0" * 32) is None
         finally:
             os.kill(node.proc.pid, signal.SIGCONT)
+        time.sleep(0.6)  # past the breaker's interval, the next call probes the manager
         assert c.load_kv(tokens)[0] == 4 * CT  # back: hits again
         node.kill()
         (n_tokens, _), took = _timed(c.load_kv, tokens)
@@ -73,3 +75,43 @@ def test_client_against_nothing(cluster: Cluster) -> None:
         assert c.store_kv(tokens, chunks) == 0
         assert c.load_kv(tokens) == (0, [])
         assert c.get("2" * 32) is None
+
+
+def test_breaker_makes_a_dead_manager_cost_one_timeout(cluster: Cluster) -> None:
+    node = cluster.embedded()
+    tokens, chunks = _prompt(2)
+    with PolarKVClient(node.manager_url, chunk_tokens=CT, timeout=TIMEOUT, breaker_interval=3.0) as c:
+        assert c.store_kv(tokens, chunks) == 2
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            _, first = _timed(c.load_kv, tokens)
+            assert first >= TIMEOUT * 0.4  # the first call pays a (server-wait bounded) timeout
+            for _ in range(20):  # the rest fail fast while the breaker is open
+                result, took = _timed(c.load_kv, tokens)
+                assert result == (0, []) and took < 0.05
+        finally:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        time.sleep(3.1)  # the breaker lets a probe through; the manager answers again
+        assert c.load_kv(tokens)[0] == 2 * CT
+
+
+def test_pooled_connection_to_a_restarted_manager(cluster: Cluster, tmp_path: Path) -> None:
+    port = _free_port()
+    settings = {"manager.listen": f"127.0.0.1:{port}", "slab.listen": "127.0.0.1:0",
+                "manager.metadata_url": f"sqlite:///{tmp_path / 'meta.db'}"}
+    node = cluster.start(["manager", "slab"], settings, name="first")
+    tokens, chunks = _prompt(2)
+    with PolarKVClient(node.manager_url, chunk_tokens=CT, timeout=TIMEOUT) as c:
+        assert c.store_kv(tokens, chunks) == 2  # leaves a pooled keep-alive connection
+        node.terminate()
+        cluster.start(["manager", "slab"], settings, name="second")
+        # the first request after the restart works: no stale-connection miss
+        assert c.store_kv(*_prompt(2, first=500)) == 2
+        assert c.stats.faults == 0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
