@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from polarkv_lib.client.control import ControlClient
 from polarkv_lib.client.breaker import CircuitBreaker
+from polarkv_lib.client.control import ControlClient
 from polarkv_lib.errors import NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.keys import check_key, chunk_keys
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
