@@ -146,5 +146,38 @@ def bench_datapath(sizes: str, concurrency: str, transports: str, total: str, me
     run_bench(sizes, concurrency, transports, total, memory)
 
 
+@bench.command("load")
+@click.option("--url", default=None, help="Manager URL (default: start an embedded node).")
+@click.option("--clients", default=8, show_default=True, help="Client processes.")
+@click.option("--seconds", default=60.0, show_default=True, help="How long each client runs.")
+@click.option("--prompts", default=64, show_default=True, help="Prompts in the working set.")
+@click.option("--chunks", default=8, show_default=True, help="Chunks per prompt.")
+@click.option("--chunk-size", default="256KiB", show_default=True, help="Bytes per chunk.")
+@click.option("--store-ratio", default=0.3, show_default=True, help="Share of operations that store.")
+@click.option("--memory", default="64MiB", show_default=True, help="Slab memory of the embedded node.")
+@click.pass_context
+def bench_load(ctx: click.Context, url: str | None, clients: int, seconds: float, prompts: int,
+               chunks: int, chunk_size: str, store_ratio: float, memory: str) -> None:
+    """Mixed store/load from several processes; every loaded byte checked."""
+    import contextlib
+    import tempfile
+
+    from polarkv_lib.config import parse_size
+    from polarkv_lib.tools import loadgen
+    from polarkv_lib.tools.service import running_service
+
+    size = parse_size(chunk_size)
+    with contextlib.ExitStack() as stack:
+        if url is None:  # an embedded node (manager, slab and disk) of its own
+            workdir = stack.enter_context(tempfile.TemporaryDirectory())
+            info = stack.enter_context(running_service(workdir, settings={"slab.memory": memory}))
+            url = str(info["manager_url"])
+        result = loadgen.run(url, clients, seconds, prompts, chunks, size, store_ratio)
+    result["working_set_mib"] = prompts * chunks * size >> 20
+    click.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    if result["wrong_bytes"] or result["exceptions"]:
+        sys.exit(EXIT_RUNTIME)
+
+
 if __name__ == "__main__":
     main()
