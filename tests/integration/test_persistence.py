@@ -67,7 +67,7 @@ def test_manager_restart_restores_memory_and_disk_entries(cluster: Cluster, stor
     manager = _manager(cluster, port, metadata_url, "m1")
     url = manager.manager_url
     cluster.slab_disk(url, slab__memory="16MiB", slab__node_id="vm-1")
-    with PolarKVClient(url, chunk_tokens=CT, timeout=5) as c:
+    with PolarKVClient(url, chunk_tokens=CT, timeout=5, breaker_interval=0.1) as c:
         data = {conv: [os.urandom(MiB) for _ in range(6)] for conv in range(5)}
         for conv, chunks in data.items():  # 30 MiB through 16 MiB: the oldest go to disk
             assert c.store_kv(prompt(conv, 6), chunks) == 6
