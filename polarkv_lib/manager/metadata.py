@@ -28,6 +28,7 @@ the disk high watermark the oldest files go. Nodes without a disk role evict ins
 from __future__ import annotations
 
 import itertools
+import random
 import secrets
 import time
 from collections import OrderedDict
@@ -186,7 +187,8 @@ def new_id() -> str:
 class Metadata:
     def __init__(self, partitions: int, read_lease: float, write_lease: float, heartbeat_ttl: float,
                  clock: Callable[[], float] = time.monotonic, memory_high: float = 0.90,
-                 memory_low: float = 0.80, disk_high: float = 0.95) -> None:
+                 memory_low: float = 0.80, disk_high: float = 0.95,
+                 rng: random.Random | None = None) -> None:
         self.partitions: list[dict[str, Entry]] = [{} for _ in range(partitions)]
         self.read_lease_ttl = read_lease
         self.write_lease_ttl = write_lease
@@ -195,6 +197,7 @@ class Metadata:
         self.memory_low = memory_low
         self.disk_high = disk_high
         self.clock = clock
+        self.rng = rng or random.Random()  # placement; tests pass a seeded one
         self.nodes: dict[str, Node] = {}
         self.read_leases: dict[str, ReadLease] = {}
         self.write_leases: dict[str, WriteLease] = {}
@@ -465,17 +468,27 @@ class Metadata:
         return results, lease_key
 
     def _place(self, size: int, protected: set[str]) -> tuple[Node, int, int] | None:
-        """Put new bytes on the alive node with the most free memory, so a freshly
-        (re)started empty node is filled evenly rather than flooded; make room there if
-        it is full (drop clean memory copies; evict on nodes without a disk)."""
+        """Pick a node for new bytes at random, weighted by free memory: load spreads in
+        proportion to room, so a freshly (re)started empty node takes more of the new
+        writes but not all of them (it would become every reader's hot spot). If none
+        has a free extent, make room on the emptiest one that can (drop clean memory
+        copies; evict on nodes without a disk)."""
         nodes = sorted((n for n in self.nodes.values() if n.alive),
                        key=lambda n: n.allocator.free, reverse=True)
-        for make_room in (False, True):
-            for node in nodes:
-                got = self._alloc_on(node, size, protected, make_room)
-                if got is not None:
-                    node.last_alloc = got[1]
-                    return node, *got
+        need = size_class(size)
+        fits = [n for n in nodes if n.allocator.used + need <= self._memory_limit(n)]
+        while fits:
+            node = self.rng.choices(fits, weights=[n.allocator.free for n in fits])[0]
+            got = self._alloc_on(node, size, protected, make_room=False)
+            if got is not None:
+                node.last_alloc = got[1]
+                return node, *got
+            fits.remove(node)  # fragmented: no extent large enough after all
+        for node in nodes:
+            got = self._alloc_on(node, size, protected, make_room=True)
+            if got is not None:
+                node.last_alloc = got[1]
+                return node, *got
         for node in nodes:  # nowhere: the next offload plans make room for it
             if node.has_disk:
                 node.pressure += size_class(size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 from polarkv_lib.manager.allocator import size_class
 from polarkv_lib.manager.metadata import WRITE_GRACE, AllocStatus, Entry, Metadata, Node, State
@@ -29,7 +30,7 @@ A, B, C, D, E, F, G, H = (key(c) for c in "ABCDEFGH")
 
 def make(capacity: int = 4 * CHUNK, partitions: int = 4) -> tuple[Metadata, FakeClock, Node]:
     clock = FakeClock()
-    md = Metadata(partitions, READ_TTL, WRITE_TTL, HB_TTL, clock=clock)
+    md = Metadata(partitions, READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(1))
     node, new = md.register("n1", 1, "127.0.0.1:9001", capacity, "/dev/shm/n1", "host", ["tcp"])
     assert new
     return md, clock, node
@@ -605,21 +606,31 @@ def test_unregister_needs_the_right_incarnation() -> None:
     assert not node.alive and md.stats()["nodes"] == 0
 
 
-def test_placement_prefers_most_free_alive_node() -> None:
+def test_placement_weighs_nodes_by_free_memory() -> None:
+    clock = FakeClock()
+    md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(7))
+    old, _ = md.register("old", 1, "127.0.0.1:9001", 400 * CHUNK, "", "", ["tcp"])
+    for i in range(300):  # a busy node: three quarters full
+        md.allocate([(key(f"old{i}"), CHUNK)])
+    assert old.allocator.used == 300 * CHUNK
+    md.register("fresh", 1, "127.0.0.1:9002", 400 * CHUNK, "", "", ["tcp"])
+    placed = [md.allocate([(key(i), CHUNK)])[0][0].entry.node.node_id  # type: ignore[union-attr]
+              for i in range(100)]
+    # the restarted, empty node takes most new writes (about 4:1 by free memory) ...
+    assert 65 <= placed.count("fresh") <= 92
+    # ... but not all of them: it does not become the only place new KV lives
+    assert placed.count("old") >= 8
+    assert md.stats()["bytes_memory_allocated"] == 400 * CHUNK
+
+
+def test_placement_fills_every_node_before_evicting() -> None:
     md, _, n1 = make(capacity=4 * CHUNK)
     n2, _ = md.register("n2", 1, "127.0.0.1:9002", 6 * CHUNK, "", "", ["tcp"])
-    placed = []
-    for i in range(10):
-        results, _ = md.allocate([(key(i), CHUNK)])
-        assert results[0].entry is not None
-        placed.append(results[0].entry.node.node_id)
-    # n2 has 2 chunks more free: it takes the first two, then they alternate (ties either way)
-    assert placed[:2] == ["n2", "n2"]
-    assert placed.count("n1") == 4 and placed.count("n2") == 6
-    for i in range(2, 10, 2):
-        assert sorted(placed[i:i + 2]) == ["n1", "n2"]
+    fill(md, [key(i) for i in range(10)])
     assert n1.allocator.free == n2.allocator.free == 0
-    assert md.stats()["bytes_memory_allocated"] == 10 * CHUNK
+    assert md.stats()["evictions"] == 0
+    results, _ = md.allocate([(key(10), CHUNK)])  # full: now one LRU entry goes
+    assert results[0].status is AllocStatus.ALLOCATED and md.stats()["evictions"] == 1
 
 
 def test_placement_skips_dead_nodes() -> None:

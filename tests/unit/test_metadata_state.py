@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from collections import Counter
 
 import pytest
@@ -47,7 +48,7 @@ class MetadataMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock)
+        self.md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock, rng=random.Random(0))
         self.incarnations: dict[str, int] = {}
         self.entries: list[Entry] = []  # every entry ever allocated
         self.write_lease_ids: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -51,7 +52,7 @@ X, Y, Z = key("X"), key("Y"), key("Z")
 
 def new_md(**kw: float) -> tuple[Metadata, FakeClock]:
     clock = FakeClock()
-    return Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=clock, **kw), clock
+    return Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(0), **kw), clock  # type: ignore[arg-type]
 
 
 def add(md: Metadata, node_id: str, chunks: int, disk_files: int = 0, incarnation: int = 1) -> Node:
@@ -832,7 +833,7 @@ class TieringMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock)
+        self.md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock, rng=random.Random(0))
         self.incarnations: dict[str, int] = {}
         self.seen: dict[int, Entry] = {}  # every entry ever in a table, by id
         self.write_lease_ids: list[str] = []
@@ -1075,8 +1076,9 @@ class TieringMachine(RuleBasedStateMachine):
         elif not ok and reason == "checksum":
             del disk[o["key"]]  # the disk role deletes a broken file itself
         entry = self._entry_of(o)
+        awaited = entry is not None and entry.reloading  # not timed out meanwhile
         self.md.reload_done(node_id, o["key"], o["gen"], ok, "" if ok else reason)
-        if ok and entry is not None and not entry.dropped and entry.node.alive:
+        if ok and awaited and entry is not None and not entry.dropped and entry.node.alive:
             assert entry.in_memory and not entry.reloading and entry.key in entry.node.lru
 
     # -- time and nodes -------------------------------------------------------------------
