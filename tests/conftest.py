@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import signal
 import subprocess
@@ -15,6 +17,8 @@ from typing import Any
 
 import orjson
 import pytest
+
+from polarkv_lib.node.buffer import buffer_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,6 +95,17 @@ class PolarKV:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        self._remove_orphan_buffer()
+
+    def _remove_orphan_buffer(self) -> None:
+        """A slab killed with -9 leaves its /dev/shm buffer behind (its node id, which
+        carries a random port, never comes back to reclaim it): the test removes it."""
+        node_id = self.info.get("node_id")
+        if node_id:
+            pattern = buffer_path("/dev/shm", str(node_id), 0).replace("0" * 16, "*")
+            for path in glob.glob(pattern):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def terminate(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:
@@ -108,6 +123,8 @@ class PolarKV:
             self.terminate()
         finally:
             self._log.close()
+            if self.proc.returncode not in (0, None):
+                self._remove_orphan_buffer()
 
 
 class Cluster:

@@ -103,6 +103,7 @@ class AsyncPolarKVClient:
         self.chunk_tokens = chunk_tokens
         self.timeout = float(timeout)
         self.window = window
+        self._connections = connections
         self.stats = ClientStats()
         self._control = ControlClient(manager_url, token, breaker_interval)
         self._breaker_interval = breaker_interval
@@ -223,29 +224,54 @@ class AsyncPolarKVClient:
             return self._tcp
         return None
 
-    async def _transfer(self, write: bool, region: Region, view: memoryview, deadline: float) -> bool:
+    async def _transfer(self, write: bool, moves: Sequence[tuple[Region, memoryview]],
+                        deadline: float) -> list[str | None]:
+        """Move a window's regions; return each one's checksum, or None where it failed.
+
+        At most `connections` pool tasks each move every n-th region in turn, rather than
+        one task per region: a dispatch to the pool costs tens of microseconds, a tenth of
+        a 1 MiB shm copy. Each chunk is hashed in the same task right after its copy, while
+        its bytes are still in cache, and on all pool threads at once."""
+        def move(part: range) -> list[str | None]:
+            sums: list[str | None] = []
+            for i in part:
+                region, view = moves[i]
+                sums.append(self._move_one(write, region, view, deadline, failures))
+            return sums
+
+        failures: list[int] = []  # one entry per failed transfer; list.append is thread-safe
+        n = min(self._connections, len(moves))
+        loop = asyncio.get_running_loop()
+        done = await asyncio.gather(*(loop.run_in_executor(self._pool, move, range(k, len(moves), n))
+                                      for k in range(n)))
+        self.stats.transfer_failures += len(failures)
+        return [done[i % n][i // n] for i in range(len(moves))]
+
+    def _move_one(self, write: bool, region: Region, view: memoryview, deadline: float,
+                  failures: list[int]) -> str | None:
+        """One transfer and its checksum, in a pool thread."""
         transport = self._transport_for(region.node)
         if transport is None:
-            return False
+            return None
         address = region.node.address
         breaker = self._slab_breakers.get(address)
         if breaker is None:
-            breaker = self._slab_breakers[address] = CircuitBreaker(f"slab {address}", self._breaker_interval)
-        fn = transport.write_from if write else transport.read_into
+            breaker = self._slab_breakers.setdefault(
+                address, CircuitBreaker(f"slab {address}", self._breaker_interval))
         try:
             breaker.check()
-            await asyncio.get_running_loop().run_in_executor(self._pool, fn, region, view, deadline)
+            (transport.write_from if write else transport.read_into)(region, view, deadline)
             breaker.success()
-            return True
+            return checksum(view)
         except (NetworkError, OperationTimeout) as exc:
             breaker.failure()  # unreachable: the next transfers to it fail fast for a while
-            self.stats.transfer_failures += 1
+            failures.append(1)
             log.debug("transfer with %s failed: %s", region.node.node_id, exc)
-            return False
+            return None
         except PolarKVError as exc:
-            self.stats.transfer_failures += 1
+            failures.append(1)
             log.debug("transfer with %s failed: %s", region.node.node_id, exc)
-            return False
+            return None
 
     def _background_post(self, path: str, body: dict[str, Any]) -> None:
         """Fire a release/abort without making the caller wait; tracked, awaited on close."""
@@ -266,15 +292,8 @@ class AsyncPolarKVClient:
         the transfer that follows."""
         return round(min(MAX_WAIT, max(0.0, (deadline - time.monotonic()) * 0.5)), 3)
 
-    async def _checksums(self, views: list[memoryview]) -> list[str]:
-        if sum(len(v) for v in views) < 1 << 20:
-            return [checksum(v) for v in views]
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: [checksum(v) for v in views])
-
     async def _store(self, keys: list[str], views: list[memoryview]) -> int:
         deadline = time.monotonic() + self.timeout
-        sums = await self._checksums(views)
         stored = 0
         for start in range(0, len(keys), self.window):
             part = range(start, min(start + self.window, len(keys)))
@@ -290,15 +309,15 @@ class AsyncPolarKVClient:
                     writes.append((i, _region(res, nodes)))
             if not writes:
                 continue
-            done = await asyncio.gather(*(self._transfer(True, r, views[i], deadline) for i, r in writes))
-            ok = [i for (i, _), good in zip(writes, done, strict=True) if good]
-            failed = [keys[i] for (i, _), good in zip(writes, done, strict=True) if not good]
+            sums = await self._transfer(True, [(r, views[i]) for i, r in writes], deadline)
+            ok = [(i, s) for (i, _), s in zip(writes, sums, strict=True) if s is not None]
+            failed = [keys[i] for (i, _), s in zip(writes, sums, strict=True) if s is None]
             lease = reply["lease"]
             if failed:
                 self._background_post("/v1/abort", {"lease": lease, "keys": failed})
             if ok:
                 committed = await self._control.post("/v1/commit", {
-                    "lease": lease, "items": [{"key": keys[i], "checksum": sums[i]} for i in ok]}, deadline)
+                    "lease": lease, "items": [{"key": keys[i], "checksum": s} for i, s in ok]}, deadline)
                 stored += sum(1 for s in committed["results"].values() if s == "committed")
         return stored
 
@@ -337,10 +356,9 @@ class AsyncPolarKVClient:
                 if len(target) < size:
                     raise CallerError(f"out[{start + j}] holds {len(target)} bytes, the chunk has {size}")
                 buffers.append(target[:size])
-        done = await asyncio.gather(*(self._transfer(False, _region(e, nodes), b, deadline)
-                                      for e, b in zip(entries, buffers, strict=True)))
-        n = next((j for j, ok in enumerate(done) if not ok), len(done))
-        sums = await self._checksums(buffers[:n])
+        sums = await self._transfer(False, [(_region(e, nodes), b) for e, b in
+                                            zip(entries, buffers, strict=True)], deadline)
+        n = next((j for j, s in enumerate(sums) if s is None), len(sums))
         for j in range(n):
             if sums[j] != entries[j]["checksum"]:
                 self.stats.checksum_failures += 1

@@ -2,21 +2,33 @@
 
 Pooled connections per slab address; a connection that saw any error is closed, never
 returned to the pool (its stream position is unknown). Reads land with `recv_into`
-directly in the caller's buffer; writes go out with `sendall` from the caller's buffer.
+directly in the caller's buffer; writes go out with `sendmsg` from the caller's buffer.
+
+Sockets stay in blocking mode and the deadline is enforced by the kernel
+(SO_RCVTIMEO / SO_SNDTIMEO, re-armed with the time left before every blocking call),
+not by Python's socket timeouts: those put the socket in non-blocking mode and cost a
+poll() plus a wake-up into Python for every piece of a transfer the kernel hands over,
+which on loopback is a few hundred per 16 MiB object. Blocking, a whole payload is one
+`recv_into(..., MSG_WAITALL)` or one `sendmsg`: the kernel copies as the bytes arrive and
+the GIL is released for the whole object.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 
 from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, ProtocolError
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
 from polarkv_lib.wire import frames
 from polarkv_lib.wire.frames import Status
 from polarkv_lib.wire.grants import Op
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux and the BSDs (time_t, suseconds_t)
 
 
 def _remaining(deadline: float) -> float:
@@ -26,22 +38,39 @@ def _remaining(deadline: float) -> float:
     return left
 
 
+def _arm(sock: socket.socket, option: int, deadline: float) -> None:
+    """Bound the next blocking call on `sock` by the time left until `deadline`. A call
+    that runs out returns what it moved so far, or fails with EAGAIN if nothing."""
+    left = _remaining(deadline)
+    seconds = int(left)
+    micros = max(int((left - seconds) * 1_000_000), 0 if seconds else 1)  # 0 would mean forever
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(seconds, micros))
+
+
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view`: one recv for the whole of it unless the deadline or a signal cuts
+    the wait short, in which case the loop re-arms with what is left."""
     got, n = 0, len(view)
     while got < n:
-        sock.settimeout(_remaining(deadline))
-        r = sock.recv_into(view[got:], n - got)
+        _arm(sock, socket.SO_RCVTIMEO, deadline)
+        r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if r == 0:
             raise NetworkError("slab closed the connection")
         got += r
 
 
-def _send_all(sock: socket.socket, data: bytes | memoryview, deadline: float) -> None:
-    view = memoryview(data)
-    sent = 0
-    while sent < len(view):
-        sock.settimeout(_remaining(deadline))
-        sent += sock.send(view[sent:])
+def _send_all(sock: socket.socket, parts: Sequence[bytes | memoryview], deadline: float) -> None:
+    """Send `parts` back to back: one sendmsg, so a WRITE's header and payload leave in
+    one call (and the header never travels as a segment of its own)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        _arm(sock, socket.SO_SNDTIMEO, deadline)
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]
 
 
 class TcpTransport(Transport):
@@ -66,7 +95,12 @@ class TcpTransport(Transport):
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=_remaining(deadline))
         except OSError as exc:
             raise NetworkError(f"cannot connect to slab {address}: {exc}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.settimeout(None)  # blocking from here on; _arm bounds each call
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            sock.close()
+            raise NetworkError(f"cannot set up the connection to slab {address}: {exc}") from None
         return sock
 
     def _checkin(self, address: str, sock: socket.socket) -> None:
@@ -85,11 +119,7 @@ class TcpTransport(Transport):
         ok = False
         try:
             request = frames.encode_request(op, region.grant)
-            if op is Op.WRITE:
-                _send_all(sock, request, deadline)
-                _send_all(sock, view, deadline)
-            else:
-                _send_all(sock, request, deadline)
+            _send_all(sock, (request, view) if op is Op.WRITE else (request,), deadline)
             header = bytearray(frames.RESPONSE_SIZE)
             _recv_exact(sock, memoryview(header), deadline)
             status, length = frames.decode_response(header)
@@ -108,7 +138,7 @@ class TcpTransport(Transport):
                     raise ProtocolError(f"slab sent {length} bytes for a {region.size}-byte region")
                 _recv_exact(sock, view, deadline)
             ok = True
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # BlockingIOError: SO_*TIMEO ran out
             raise OperationTimeout(f"transfer with slab {address} timed out") from None
         except OSError as exc:
             raise NetworkError(f"transfer with slab {address} failed: {exc}") from None
