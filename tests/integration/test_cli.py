@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from polarkv_lib.node.buffer import buffer_path
 from tests.conftest import ROOT, Cluster, http
 
 POLARKV = [sys.executable, str(ROOT / "polarkv.py")]
@@ -110,15 +112,15 @@ def test_config_file_env_and_set_precedence(cluster: Cluster, tmp_path: Path) ->
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_gracefully(cluster: Cluster, sig: signal.Signals) -> None:
     node = cluster.embedded(disk=True)
-    shm_files = set(Path("/dev/shm").glob("polarkv-*.buf"))
+    pattern = buffer_path("/dev/shm", node.info["node_id"], 0).replace("0" * 16, "*")
+    assert len(glob.glob(pattern)) == 1  # its buffer
     start = time.monotonic()
     node.proc.send_signal(sig)
     assert node.proc.wait(15) == 0
     assert time.monotonic() - start < 10
     log = node.log()
     assert "slab stopped" in log and "manager stopped" in log
-    # the buffer file was removed
-    assert len(set(Path("/dev/shm").glob("polarkv-*.buf"))) < len(shm_files)
+    assert glob.glob(pattern) == []  # the buffer file was removed
 
 
 def test_admin_cli(cluster: Cluster) -> None:
