@@ -1,0 +1,615 @@
+"""PolarKVConnector (vLLM 0.33) against vLLM's own pieces, on CPU, with real polarkv
+processes: KVConnectorFactory, the v1 Scheduler, the KV cache planner and allocator (every
+KVCacheLayout), and the worker-side driver a model runner uses
+(KVConnectorModelRunnerMixin). There are no weights: a tiny llama config.json, and a
+stand-in forward pass that writes deterministic KV (a function of the token prefix) for
+the tokens a step computes, into the slots vLLM's block table gives them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Cluster, PolarKV, http, wait_for
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+with warnings.catch_warnings():
+    # torch's own deprecation, raised while vLLM's worker utilities import (deep_gemm ->
+    # torch.compile -> torch.utils.mkldnn): not ours, and only this import is excused.
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                            category=DeprecationWarning)
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.forward_context import set_forward_context
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+from polarkv_lib.client import PolarKVClient  # noqa: E402
+from polarkv_lib.integrations.common import settings_from_extra  # noqa: E402
+from polarkv_lib.integrations.vllm import (  # noqa: E402
+    LoadOp,
+    PolarKVConnector,
+    PolarKVConnectorMetadata,
+    SaveOp,
+    _chunk_tokens,
+)
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+BLOCK, HEADS, HEAD_SIZE = 16, 2, 16
+CELL = 2 * HEAD_SIZE  # floats per (head, token) cell of the logical view: K then V
+NUM_BLOCKS = 96
+CHUNK = 256  # the default for 16-token blocks
+PER_CHUNK = CHUNK // BLOCK
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,
+                         dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
+    model = tmp_path_factory.mktemp("tiny-llama")
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+        "num_hidden_layers": len(LAYERS), "vocab_size": 1000, "max_position_embeddings": 2048,
+        "torch_dtype": "float32", "rms_norm_eps": 1e-5}))
+    init_none_hash(sha256)
+    return ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32",
+                       max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def polarkv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolarKV]:
+    cluster = Cluster(tmp_path_factory.mktemp("polarkv"))
+    try:
+        yield cluster.embedded()
+    finally:
+        cluster.close()
+
+
+def vllm_config(model_config: ModelConfig, manager_url: str, layout: str = "LBHNC",
+                batch: int = 2048, parallel: ParallelConfig | None = None,
+                **extra: Any) -> VllmConfig:
+    transfer = KVTransferConfig(
+        kv_connector="PolarKVConnector", kv_connector_module_path="polarkv_lib.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"manager_url": manager_url, "timeout": 1.0, **extra})
+    config = VllmConfig(
+        model_config=copy.deepcopy(model_config), cache_config=CacheConfig(block_size=BLOCK),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=8,
+                                         max_model_len=2048, is_encoder_decoder=False),
+        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
+        parallel_config=parallel or ParallelConfig())
+    config.cache_config.kv_cache_layout = layout  # what the engine core's resolution records
+    return config
+
+
+def kv_cache_config(config: VllmConfig) -> KVCacheConfig:
+    """vLLM's own planner: the tensors' strides for the config's layout."""
+    kcc = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(list(LAYERS), SPEC)],
+                                          SPEC.page_size_bytes * len(LAYERS) * NUM_BLOCKS)
+    kcc.kv_cache_layout = config.cache_config.kv_cache_layout
+    config.cache_config.num_gpu_blocks = kcc.num_blocks
+    return kcc
+
+
+def expected_kv(layer: int, tokens: list[int], start: int, end: int) -> Any:
+    """KV of tokens [start, end) as a model would give it: a function of the whole prefix.
+    [tokens, heads, cell] float32, exact (integers below 2**24)."""
+    prefix = torch.cumsum(torch.tensor(tokens[:end], dtype=torch.float64), 0)[start:end] % 9973
+    base = (prefix * 31 + torch.arange(start, end, dtype=torch.float64) * 7 + layer * 1009) % 65521
+    cells = torch.arange(HEADS * CELL, dtype=torch.float64)
+    return (base[:, None] + cells[None, :]).reshape(-1, HEADS, CELL).to(torch.float32)
+
+
+def read_kv(caches: dict[str, Any], table: list[int], start: int, end: int) -> Any:
+    """[layers, tokens, heads, cell] of tokens [start, end) through the logical views."""
+    positions = torch.arange(start, end)
+    blocks, offsets = torch.tensor(table)[positions // BLOCK], positions % BLOCK
+    return torch.stack([caches[name][blocks, :, offsets] for name in LAYERS])
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+@contextmanager
+def kv_transfer_group(connector: Any) -> Iterator[None]:
+    """vLLM keeps the worker's connector in a process global; two engines share a process
+    here, so each step installs its own."""
+    previous = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector
+    try:
+        yield
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = previous
+
+
+class Engine:
+    """One vLLM engine in miniature: the real v1 Scheduler (which builds the scheduler-side
+    connector through the factory) and a worker-side connector over KV caches from vLLM's
+    allocator, driven step by step the way the model runner drives it."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config(config)
+        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(config),
+                                   block_size=BLOCK)
+        self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
+                                        KVCacheLayout[config.cache_config.kv_cache_layout], [BLOCK])
+        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
+                                                          self.kv_cache_config)
+        self.worker.register_kv_caches(self.caches)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
+
+    @property
+    def connector(self) -> PolarKVConnector:
+        connector = self.scheduler.connector
+        assert isinstance(connector, PolarKVConnector)
+        return connector
+
+    def add(self, req_id: str, prompt: list[int]) -> None:
+        self.tokens[req_id] = list(prompt)
+        self.scheduler.add_request(Request(req_id, list(prompt), SamplingParams(max_tokens=1),
+                                           None, block_hasher=self.hasher))
+
+    def step(self, out: Any = None) -> tuple[Any, KVConnectorOutput]:
+        """schedule (unless given its output) -> worker (load, forward, save) ->
+        update_from_output."""
+        out = out if out is not None else self.scheduler.schedule()
+        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        for new in out.scheduled_new_reqs:
+            self.tables[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed[req_id] = cached.num_computed_tokens[i]
+            if (ids := cached.new_block_ids[i]) is not None:
+                if req_id in cached.resumed_req_ids:
+                    self.tables[req_id] = list(ids[0])
+                else:
+                    self.tables[req_id].extend(ids[0])
+        with kv_transfer_group(self.worker), set_forward_context(None, self.config), \
+                KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(out) as kv_output:
+            for req_id, n in out.num_scheduled_tokens.items():
+                self.forward(req_id, computed[req_id], computed[req_id] + n)
+        assert kv_output is not None
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = [[7] if computed[r] + out.num_scheduled_tokens[r] >= len(self.tokens[r]) else []
+                   for r in req_ids]
+        self.scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, kv_connector_output=kv_output))
+        return out, kv_output
+
+    def forward(self, req_id: str, start: int, end: int) -> None:
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(self.tables[req_id])[positions // BLOCK]
+        for layer, name in enumerate(LAYERS):
+            self.caches[name][blocks, :, positions % BLOCK] = expected_kv(
+                layer, self.tokens[req_id], start, end)
+
+    def kv(self, req_id: str, start: int, end: int) -> Any:
+        return read_kv(self.caches, self.tables[req_id], start, end)
+
+    def expected(self, req_id: str, start: int, end: int) -> Any:
+        return torch.stack([expected_kv(layer, self.tokens[req_id], start, end)
+                            for layer in range(len(LAYERS))])
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    try:
+        yield made
+    finally:
+        for engine in made:
+            engine.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(1, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -- 1. the factory builds both roles ------------------------------------------------------
+
+def test_factory_builds_both_roles_from_a_kv_transfer_config(
+        model_config: ModelConfig, polarkv: PolarKV) -> None:
+    config = vllm_config(model_config, polarkv.manager_url)
+    kcc = kv_cache_config(config)
+    assert KVConnectorFactory.get_connector_class(config.kv_transfer_config) is PolarKVConnector
+    # Not SupportsHMA: vLLM turns the hybrid allocator off for it.
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager
+    built = [KVConnectorFactory.create_connector(config, role, kcc)
+             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+    try:
+        for connector, role in zip(built, (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER),
+                                   strict=True):
+            assert isinstance(connector, PolarKVConnector) and connector.role == role
+            assert connector.enabled and connector.chunk_tokens == CHUNK
+            assert not connector.requires_kv_delivery
+        # Both roles address the same keys: the scheduler looks up what rank 0 stores.
+        assert built[0].namespace == built[1].namespace
+        for part in ("vllm/pages-v1/", "/float32/LBHNC/b16-h2-c128/cpu/tp0of1/pp0of1/chunk256"):
+            assert part in built[0].namespace
+        assert built[1].chunk_bytes == len(LAYERS) * PER_CHUNK * SPEC.page_size_bytes
+    finally:
+        for connector in built:
+            connector.shutdown()
+
+
+def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
+        model_config: ModelConfig, polarkv: PolarKV) -> None:
+    def build(url: str = polarkv.manager_url, **extra: Any) -> PolarKVConnector:
+        config = vllm_config(model_config, url, **extra)
+        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER,
+                                                        kv_cache_config(config))
+        assert isinstance(connector, PolarKVConnector)
+        connector.shutdown()
+        return connector
+
+    # Default: the smallest multiple of the block size that is at least 256 tokens.
+    assert _chunk_tokens(settings_from_extra({"manager_url": polarkv.manager_url}), 48) == 288
+    assert build(chunk_tokens=48).chunk_tokens == 48
+    assert "chunk48" in build(chunk_tokens=48).namespace
+    assert build(namespace="team-a").namespace.startswith("team-a/vllm/")
+    with pytest.raises(ValueError, match="multiple of the KV cache block size"):
+        build(chunk_tokens=100)
+    with pytest.raises(ValueError, match="manager_url"):
+        build(url="127.0.0.1:8170")
+
+
+def test_namespace_keeps_ranks_and_layouts_apart(model_config: ModelConfig, polarkv: PolarKV) -> None:
+    def namespace(role: Any, layout: str = "LBHNC", rank: int = 0) -> str:
+        config = vllm_config(model_config, polarkv.manager_url, layout=layout,
+                             parallel=ParallelConfig(tensor_parallel_size=2, rank=rank))
+        connector = KVConnectorFactory.create_connector(config, role, kv_cache_config(config))
+        connector.shutdown()
+        return str(connector.namespace)
+
+    scheduler = namespace(KVConnectorRole.SCHEDULER)
+    assert "/tp0of2/" in scheduler and scheduler == namespace(KVConnectorRole.WORKER, rank=0)
+    assert "/tp1of2/" in namespace(KVConnectorRole.WORKER, rank=1)
+    assert "/LBNHC/" in namespace(KVConnectorRole.WORKER, layout="LBNHC")
+
+
+# -- 2. the real scheduler schedules around PolarKV hits ------------------------------------
+
+def test_scheduler_takes_a_shared_prefix_from_polarkv(
+        model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]) -> None:
+    # Engine A prefills in 256-token steps (chunked prefill): each chunk is saved in the
+    # step that computes its last token, chunk 0 with store_kv, chunk 1 with put.
+    a = Engine(vllm_config(model_config, polarkv.manager_url, batch=CHUNK))
+    engines.append(a)
+    first = prompt(1, 600)
+    a.add("a1", first)
+    saves = []
+    for _ in range(3):
+        out, _ = a.step()
+        saves.append([(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves])
+    assert saves == [[(0, 1)], [(1, 2)], []]
+    assert a.worker.flush_saves(10)
+    assert a.worker.stats.saved_chunks == 2 and a.worker.stats.failed_saves == 0
+    with PolarKVClient(polarkv.manager_url, a.connector.namespace, CHUNK) as client:
+        assert client.lookup_kv(first) == 2 * CHUNK
+
+    # Engine B (another process in real life: its own scheduler, blocks and vLLM block
+    # hashes) gets a prompt sharing 512 tokens; the scheduler takes them from PolarKV.
+    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(b)
+    second = first[:2 * CHUNK] + prompt(2, 100)
+    b.add("b1", second)
+    out, kv_output = b.step()
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 2 * CHUNK
+    assert out.num_scheduled_tokens == {"b1": len(second) - 2 * CHUNK}
+    assert out.has_sync_kv_loads
+    (load,) = out.kv_connector_metadata.loads
+    assert load.first_block == 0 and load.block_ids == b.tables["b1"][:2 * PER_CHUNK]
+    assert not kv_output.invalid_block_ids
+    assert b.worker.stats.loaded_chunks == 2
+    # The loaded KV is A's, byte for byte, in B's own blocks.
+    assert same_bytes(b.kv("b1", 0, 2 * CHUNK), a.kv("a1", 0, 2 * CHUNK))
+    assert same_bytes(b.kv("b1", 0, len(second)), b.expected("b1", 0, len(second)))
+    assert b.connector.stats.lookups == 1 and b.connector.stats.hit_tokens == 2 * CHUNK
+    # A prompt of exactly the cached chunks still leaves its last token to vLLM.
+    b.add("b2", first[:2 * CHUNK])
+    out, _ = b.step()
+    assert out.num_scheduled_tokens["b2"] >= 1
+
+
+def test_local_prefix_cache_hits_are_not_loaded_again(
+        model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]) -> None:
+    engine = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(engine)
+    shared = prompt(3, 3 * CHUNK)
+    engine.add("r1", shared[:CHUNK + 40])  # computes chunk 0 and 40 more tokens locally
+    engine.step()
+    assert engine.worker.flush_saves(10)
+    with PolarKVClient(polarkv.manager_url, engine.connector.namespace, CHUNK) as client:
+        # Chunk 1 reaches PolarKV from elsewhere (another engine, same namespace).
+        other = Engine(vllm_config(model_config, polarkv.manager_url))
+        engines.append(other)
+        other.add("o1", shared[:2 * CHUNK + 1])
+        other.step()
+        assert other.worker.flush_saves(10)
+        assert client.lookup_kv(shared) == 2 * CHUNK
+    engine.add("r2", shared)
+    out, _ = engine.step()
+    (new,) = out.scheduled_new_reqs
+    (load,) = out.kv_connector_metadata.loads
+    # vLLM's own prefix cache holds chunk 0 and two more blocks; only the rest is written.
+    local = (CHUNK + 40) // BLOCK * BLOCK
+    assert new.num_computed_tokens == 2 * CHUNK
+    assert load.first_block == local // BLOCK
+    assert load.block_ids == engine.tables["r2"][local // BLOCK: 2 * PER_CHUNK]
+    assert same_bytes(engine.kv("r2", 0, len(shared)), engine.expected("r2", 0, len(shared)))
+
+
+# -- 3. worker round trips: every layout, byte-exact, and failures -------------------------
+
+LAYOUT_CASES = [pytest.param(layout.name, BLOCK, id=layout.name) for layout in KVCacheLayout]
+LAYOUT_CASES.append(pytest.param("LBNHC", 8, id="LBNHC-kernel-blocks-of-8"))
+
+
+def fill_random(caches: dict[str, Any], seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name in LAYERS:
+        cache = caches[name].view(torch.uint8)
+        cache.copy_(torch.randint(0, 256, cache.shape, dtype=torch.uint8, generator=generator))
+
+
+def pages(caches: dict[str, Any], block_ids: list[int]) -> Any:
+    """[layers, blocks, H, bs, C bytes]: the chunk format's pages, computed independently:
+    a manager block's kernel blocks put side by side along the token axis."""
+    out = []
+    for name in LAYERS:
+        cache = caches[name].view(torch.uint8)
+        ratio = BLOCK // cache.shape[2]
+        out.append(torch.stack([torch.cat([cache[b * ratio + j] for j in range(ratio)], dim=1)
+                                for b in block_ids]))
+    return torch.stack(out)
+
+
+def worker(config: VllmConfig, kcc: KVCacheConfig, caches: dict[str, Any]) -> PolarKVConnector:
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+    assert isinstance(connector, PolarKVConnector)
+    connector.register_kv_caches(caches)
+    return connector
+
+
+def run_step(connector: PolarKVConnector, meta: PolarKVConnectorMetadata) -> set[int]:
+    """One step as the model runner drives a worker's connector; returns the failed blocks."""
+    with kv_transfer_group(connector):
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        return connector.get_block_ids_with_load_errors()
+
+
+@pytest.mark.parametrize(("layout", "kernel_block"), LAYOUT_CASES)
+def test_worker_round_trips_paged_kv_in_every_layout(
+        model_config: ModelConfig, polarkv: PolarKV, layout: str, kernel_block: int) -> None:
+    config = vllm_config(model_config, polarkv.manager_url, layout=layout)
+    kcc = kv_cache_config(config)
+    source = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout], [kernel_block])
+    target = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout], [kernel_block])
+    assert tuple(source[LAYERS[0]].shape) == (NUM_BLOCKS * BLOCK // kernel_block, HEADS,
+                                              kernel_block, CELL)
+    fill_random(source, seed=sum(map(ord, layout)) + kernel_block)
+    tokens = prompt(100 + kernel_block + sum(map(ord, layout)), 3 * CHUNK + 5)
+    src_blocks = list(range(45, 45 + 3 * PER_CHUNK))[::-1]  # any order vLLM may hand out
+    dst_blocks = list(range(2, 2 + 3 * PER_CHUNK))
+    a, b = worker(config, kcc, source), worker(config, kcc, target)
+    try:
+        assert not run_step(a, PolarKVConnectorMetadata(saves=[SaveOp("r", tokens[:3 * CHUNK], src_blocks, 0)]))
+        assert a.flush_saves(10) and a.stats.saved_chunks == 3
+        # The stored bytes are the documented format: layers, then blocks, then pages.
+        expected = pages(source, src_blocks).view(len(LAYERS), 3, PER_CHUNK, -1).transpose(0, 1)
+        with PolarKVClient(polarkv.manager_url, a.namespace, CHUNK) as client:
+            for i, key in enumerate(client.keys(tokens)):
+                assert client.get(key) == expected[i].contiguous().numpy().tobytes()
+        # A local prefix of 20 blocks: only blocks 20.. of the request are written.
+        load = LoadOp("r", tokens[:3 * CHUNK], dst_blocks[20:], first_block=20)
+        assert not run_step(b, PolarKVConnectorMetadata(loads=[load]))
+        assert same_bytes(pages(target, dst_blocks[20:]), pages(source, src_blocks[20:]))
+        untouched = [i for i in range(NUM_BLOCKS) if i not in dst_blocks[20:]]
+        assert not pages(target, untouched).any()
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@pytest.mark.parametrize("stacked", ["2-blocks", "blocks-2", "2-blocks-hnd"])
+def test_worker_round_trips_kv_stacked_caches(
+        model_config: ModelConfig, polarkv: PolarKV, stacked: str) -> None:
+    """The K/V-stacked per-layer shapes of older backends, [2, blocks, bs, H, D] and
+    [blocks, 2, bs, H, D] (HND: the same logical shape over [2, blocks, H, bs, D] memory).
+    vLLM 0.33's allocator no longer hands these out, so they are built here."""
+    config = vllm_config(model_config, polarkv.manager_url, layout="LBNHC")
+    kcc = kv_cache_config(config)
+
+    def make() -> dict[str, Any]:
+        if stacked == "2-blocks":
+            return {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE) for n in LAYERS}
+        if stacked == "blocks-2":
+            return {n: torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_SIZE) for n in LAYERS}
+        return {n: torch.zeros(2, NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE).transpose(2, 3) for n in LAYERS}
+
+    def kv_pages(caches: dict[str, Any], blocks: list[int]) -> Any:  # [L, blocks, H, bs, K|V]
+        kv = [c if stacked != "blocks-2" else c.transpose(0, 1) for c in (caches[n] for n in LAYERS)]
+        return torch.stack([torch.cat([c[0, blocks].transpose(1, 2), c[1, blocks].transpose(1, 2)], -1)
+                            for c in kv])
+
+    source, target = make(), make()
+    generator = torch.Generator().manual_seed(7)
+    for name in LAYERS:
+        source[name].copy_(torch.randn(source[name].shape, generator=generator))
+    tokens = prompt(200 + ["2-blocks", "blocks-2", "2-blocks-hnd"].index(stacked), 2 * CHUNK)
+    src_blocks, dst_blocks = list(range(40, 40 + 2 * PER_CHUNK)), list(range(2 * PER_CHUNK))
+    a, b = worker(config, kcc, source), worker(config, kcc, target)
+    try:
+        run_step(a, PolarKVConnectorMetadata(saves=[SaveOp("r", tokens, src_blocks, 0)]))
+        assert a.flush_saves(10) and a.stats.saved_chunks == 2
+        with PolarKVClient(polarkv.manager_url, a.namespace, CHUNK) as client:
+            chunk0 = client.get(client.keys(tokens)[0])
+        assert chunk0 == kv_pages(source, src_blocks[:PER_CHUNK]).contiguous().numpy().tobytes()
+        assert not run_step(b, PolarKVConnectorMetadata(loads=[LoadOp("r", tokens, dst_blocks, 0)]))
+        assert same_bytes(kv_pages(target, dst_blocks), kv_pages(source, src_blocks))
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_unknown_cache_shape_is_refused_at_registration(
+        model_config: ModelConfig, polarkv: PolarKV) -> None:
+    config = vllm_config(model_config, polarkv.manager_url)
+    kcc = kv_cache_config(config)
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+    try:
+        with pytest.raises(ValueError, match="unsupported KV cache shape"):
+            connector.register_kv_caches({n: torch.zeros(NUM_BLOCKS, 3, BLOCK, CELL) for n in LAYERS})
+    finally:
+        connector.shutdown()
+
+
+def test_chunk_deleted_between_lookup_and_load_is_recomputed(
+        model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]) -> None:
+    a = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(a)
+    tokens = prompt(4, 3 * CHUNK + 32)
+    a.add("a1", tokens)
+    a.step()
+    assert a.worker.flush_saves(10) and a.worker.stats.saved_chunks == 3
+
+    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(b)
+    b.add("b1", tokens)
+    out = b.scheduler.schedule()  # the lookup: all three chunks are there
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 3 * CHUNK
+    with PolarKVClient(polarkv.manager_url, b.connector.namespace, CHUNK) as client:
+        status, _ = http("DELETE", f"{polarkv.manager_url}/v1/keys/{client.keys(tokens)[1]}")
+        assert status == 200
+    _, kv_output = b.step(out)
+    table = b.tables["b1"]
+    assert kv_output.invalid_block_ids == set(table[PER_CHUNK: 3 * PER_CHUNK])
+    assert b.worker.stats.loaded_chunks == 1
+    assert same_bytes(b.kv("b1", 0, CHUNK), b.expected("b1", 0, CHUNK))
+    # update_from_output took the failure: vLLM recomputes from the first failed block.
+    request = b.scheduler.requests["b1"]
+    assert request.num_computed_tokens == CHUNK
+    out, kv_output = b.step()
+    assert out.num_scheduled_tokens == {"b1": len(tokens) - CHUNK}
+    assert not kv_output.invalid_block_ids and not out.kv_connector_metadata.loads
+    assert same_bytes(b.kv("b1", 0, len(tokens)), b.expected("b1", 0, len(tokens)))
+    # The recomputed chunks are saved again, so the deleted one is back.
+    assert [(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves] == [(1, 3)]
+    assert b.worker.flush_saves(10)
+    with PolarKVClient(polarkv.manager_url, b.connector.namespace, CHUNK) as client:
+        assert client.lookup_kv(tokens) == 3 * CHUNK
+
+
+def test_slab_killed_between_lookup_and_load_reports_every_block(
+        model_config: ModelConfig, cluster: Cluster) -> None:
+    """tcp, so the dead slab is noticed at once (shm would still read its buffer file
+    until the manager declares the node dead)."""
+    manager = cluster.manager()
+    slab = cluster.slab(manager.manager_url)
+    config = vllm_config(model_config, manager.manager_url, transport="tcp")
+    kcc = kv_cache_config(config)
+    source = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK])
+    target = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK])
+    fill_random(source, seed=5)
+    tokens = prompt(5, 2 * CHUNK)
+    blocks = list(range(2 * PER_CHUNK))
+    a, b = worker(config, kcc, source), worker(config, kcc, target)
+    scheduler_side = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kcc)
+    try:
+        run_step(a, PolarKVConnectorMetadata(saves=[SaveOp("r", tokens, blocks, 0)]))
+        assert a.flush_saves(10) and a.stats.saved_chunks == 2
+        with PolarKVClient(manager.manager_url, a.namespace, CHUNK) as client:
+            assert client.lookup_kv(tokens) == 2 * CHUNK
+        slab.kill()
+        started = time.monotonic()
+        failed = run_step(b, PolarKVConnectorMetadata(loads=[LoadOp("r", tokens, blocks, 0)]))
+        assert failed == set(blocks)
+        assert time.monotonic() - started < 5
+        assert not pages(target, list(range(NUM_BLOCKS))).any()
+        # Once the manager has declared the slab dead, the scheduler sees misses.
+        request = Request("r", [*tokens, 1], SamplingParams(max_tokens=1), None)
+        wait_for(lambda: scheduler_side.get_num_new_matched_tokens(request, 0) == (0, False))
+    finally:
+        a.shutdown()
+        b.shutdown()
+        scheduler_side.shutdown()
+
+
+# -- 4. PolarKV down: misses, and the engine goes on ---------------------------------------
+
+def test_polarkv_down_is_a_miss_and_the_engine_proceeds(
+        model_config: ModelConfig, engines: list[Engine]) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    engine = Engine(vllm_config(model_config, down))
+    engines.append(engine)
+    tokens = prompt(6, 2 * CHUNK + 10)
+    engine.add("r1", tokens)
+    started = time.monotonic()
+    out, kv_output = engine.step()
+    assert time.monotonic() - started < 5
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 0 and out.num_scheduled_tokens == {"r1": len(tokens)}
+    assert not out.kv_connector_metadata.loads and not kv_output.invalid_block_ids
+    assert engine.connector.stats.lookups == 1 and engine.connector.stats.hit_tokens == 0
+    assert engine.worker.flush_saves(10)  # the save became a miss, not an error
+    assert engine.worker.stats.saved_chunks == 0 and engine.worker.stats.failed_saves == 1
+    assert "r1" not in engine.scheduler.requests  # finished: one token sampled
+    engine.add("r2", tokens)  # and the engine keeps serving
+    out, _ = engine.step()
+    assert out.num_scheduled_tokens
+
+
+def test_importing_the_client_does_not_import_torch() -> None:
+    code = ("import sys, polarkv_lib.client, polarkv_lib.integrations.common; "
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
