@@ -1,7 +1,7 @@
 """The PolarKV client library (DESIGN §8). Importing it never imports torch."""
 
-from polarkv_lib.client.async_client import AsyncPolarKVClient, ClientStats, checksum
+from polarkv_lib.client.async_client import AsyncPolarKVClient, CallerError, ClientStats, checksum
 from polarkv_lib.client.sync_client import PolarKVClient
 from polarkv_lib.keys import chunk_keys
 
-__all__ = ["AsyncPolarKVClient", "ClientStats", "PolarKVClient", "checksum", "chunk_keys"]
+__all__ = ["AsyncPolarKVClient", "CallerError", "ClientStats", "PolarKVClient", "checksum", "chunk_keys"]

@@ -198,6 +198,38 @@ class AsyncPolarKVClient:
         views = await self._guarded(self._load([check_key(key)], None), [])
         return bytes(views[0]) if views else None
 
+    # Keyed batches: for callers that bring their own 32-hex keys (SGLang's pages). Each
+    # works on the leading run of keys, like a prompt's chunks: what follows a miss is a miss.
+
+    async def lookup_keys(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored now (no lease, no transfer)."""
+        self._check_open()
+        checked = [check_key(k) for k in keys]
+        return await self._guarded(self._count(checked), 0) if checked else 0
+
+    async def put_many(self, keys: Sequence[str], values: Sequence[BufferLike]) -> int:
+        """Store values[i] under keys[i]; how many are now stored (written or present)."""
+        self._check_open()
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} values")
+        checked = [check_key(k) for k in keys]
+        views = [_as_view(v, f"values[{i}]") for i, v in enumerate(values)]
+        if any(len(v) == 0 for v in views):
+            raise ValueError("values must not be empty")
+        return await self._guarded(self._store(checked, views), 0) if checked else 0
+
+    async def get_many(self, keys: Sequence[str], out: Sequence[BufferLike] | None = None
+                       ) -> list[memoryview]:
+        """The values of the leading stored keys; with `out`, read into out[i]."""
+        self._check_open()
+        checked = [check_key(k) for k in keys]
+        targets = None
+        if out is not None:
+            if len(out) != len(checked):
+                raise ValueError(f"{len(checked)} keys for {len(out)} out buffers")
+            targets = [_as_view(b, f"out[{i}]") for i, b in enumerate(out)]
+        return await self._guarded(self._load(checked, targets), []) if checked else []
+
     # -- internals ----------------------------------------------------------------------
 
     async def _guarded(self, op: Awaitable[T], miss: T) -> T:

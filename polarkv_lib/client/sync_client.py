@@ -69,6 +69,15 @@ class PolarKVClient:
     def get(self, key: str) -> bytes | None:
         return self._run(self._client.get(key))
 
+    def lookup_keys(self, keys: Sequence[str]) -> int:
+        return self._run(self._client.lookup_keys(keys))
+
+    def put_many(self, keys: Sequence[str], values: Sequence[BufferLike]) -> int:
+        return self._run(self._client.put_many(keys, values))
+
+    def get_many(self, keys: Sequence[str], out: Sequence[BufferLike] | None = None) -> list[memoryview]:
+        return self._run(self._client.get_many(keys, out))
+
     def close(self) -> None:
         if self._closed:
             return

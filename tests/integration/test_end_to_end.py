@@ -100,3 +100,22 @@ def test_put_get(cluster: Cluster) -> None:
             c.put("not-a-key", b"x")
         with pytest.raises(TypeError):
             c.store_kv("text", [b"x"])
+
+
+def test_keyed_batches(cluster: Cluster) -> None:
+    url = cluster.embedded().manager_url
+    keys = [f"{i:032x}" for i in range(1, 7)]
+    values = [os.urandom(3000 + i) for i in range(6)]
+    with PolarKVClient(url) as c:
+        assert c.lookup_keys(keys) == 0
+        assert c.put_many(keys[:4], values[:4]) == 4
+        assert c.lookup_keys(keys) == 4  # the leading run
+        assert [bytes(v) for v in c.get_many(keys)] == values[:4]
+        out = [bytearray(4000) for _ in keys[:3]]
+        views = c.get_many(keys[:3], out)
+        assert [bytes(v) for v in views] == values[:3] and bytes(out[0][:3000]) == values[0]
+        assert c.put_many(keys, values) == 6  # four present, two written
+        with pytest.raises(ValueError):
+            c.put_many(keys, values[:2])
+        with pytest.raises(ValueError):
+            c.lookup_keys(["not-a-key"])
