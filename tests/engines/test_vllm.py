@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import vllm  # noqa: F401
 
 from tests.conftest import Cluster, PolarKV, http, wait_for
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
 
 with warnings.catch_warnings():
     # torch's own deprecation, raised while vLLM's worker utilities import (deep_gemm ->
@@ -57,9 +56,9 @@ with warnings.catch_warnings():
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
     from vllm.v1.worker.utils import allocate_kv_cache
 
-from polarkv_lib.client import PolarKVClient  # noqa: E402
-from polarkv_lib.integrations.common import settings_from_extra  # noqa: E402
-from polarkv_lib.integrations.vllm import (  # noqa: E402
+from polarkv_lib.client import PolarKVClient
+from polarkv_lib.integrations.common import settings_from_extra
+from polarkv_lib.integrations.vllm import (
     LoadOp,
     PolarKVConnector,
     PolarKVConnectorMetadata,
