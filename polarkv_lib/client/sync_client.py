@@ -8,6 +8,7 @@ calls (plus a backstop), so a blocked caller always gets its miss back.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import warnings
 from collections.abc import Coroutine, Sequence
@@ -44,39 +45,47 @@ class PolarKVClient:
     def stats(self) -> ClientStats:
         return self._client.stats
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], miss: T) -> T:
         if self._closed:
             coro.close()
             raise ValueError("client is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(self._client.timeout + 5.0)
+        try:
+            return future.result(self._client.timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            # The async call bounds itself; this only fires if the client's own loop
+            # thread is starved. Still a miss for the caller, never an exception.
+            future.cancel()
+            self._client.stats.faults += 1
+            self._client.stats.timeouts += 1
+            return miss
 
     def keys(self, tokens: Any) -> list[str]:
         return self._client.keys(tokens)
 
     def store_kv(self, tokens: Any, chunks: Sequence[BufferLike]) -> int:
-        return self._run(self._client.store_kv(tokens, chunks))
+        return self._run(self._client.store_kv(tokens, chunks), 0)
 
     def load_kv(self, tokens: Any, out: Sequence[BufferLike] | None = None) -> tuple[int, list[memoryview]]:
-        return self._run(self._client.load_kv(tokens, out))
+        return self._run(self._client.load_kv(tokens, out), (0, []))
 
     def lookup_kv(self, tokens: Any) -> int:
-        return self._run(self._client.lookup_kv(tokens))
+        return self._run(self._client.lookup_kv(tokens), 0)
 
     def put(self, key: str, data: BufferLike) -> bool:
-        return self._run(self._client.put(key, data))
+        return self._run(self._client.put(key, data), False)
 
     def get(self, key: str) -> bytes | None:
-        return self._run(self._client.get(key))
+        return self._run(self._client.get(key), None)
 
     def lookup_keys(self, keys: Sequence[str]) -> int:
-        return self._run(self._client.lookup_keys(keys))
+        return self._run(self._client.lookup_keys(keys), 0)
 
     def put_many(self, keys: Sequence[str], values: Sequence[BufferLike]) -> int:
-        return self._run(self._client.put_many(keys, values))
+        return self._run(self._client.put_many(keys, values), 0)
 
     def get_many(self, keys: Sequence[str], out: Sequence[BufferLike] | None = None) -> list[memoryview]:
-        return self._run(self._client.get_many(keys, out))
+        return self._run(self._client.get_many(keys, out), [])
 
     def close(self) -> None:
         if self._closed:
