@@ -146,6 +146,25 @@ def bench_datapath(sizes: str, concurrency: str, transports: str, total: str, me
     run_bench(sizes, concurrency, transports, total, memory)
 
 
+@bench.command("disk")
+@click.option("--path", default="", help="Directory on the disk to measure (default: the system temp dir).")
+@click.option("--sizes", default="1MiB,4MiB", show_default=True, help="Object sizes, comma separated.")
+@click.option("--total", default="256MiB", show_default=True, help="Bytes per file-store measurement.")
+@click.option("--memory", default="256MiB", show_default=True, help="Slab memory of the nodes it starts.")
+@click.option("--working-set", default="1GiB", show_default=True,
+              help="Bytes stored and loaded back per service round (>= 4x --memory).")
+@click.option("--threads", default="4", show_default=True, help="I/O threads on both sides.")
+@click.option("--o-direct/--no-o-direct", default=True, show_default=True,
+              help="O_DIRECT on both sides, or the page cache (dropped before reads; needs root).")
+@click.option("--parts", default="store,service,fit", show_default=True, help="Parts to run.")
+def bench_disk(path: str, sizes: str, total: str, memory: str, working_set: str, threads: str,
+               o_direct: bool, parts: str) -> None:
+    """Offload/reload throughput beside raw sequential file I/O; hybrid vs memory-only."""
+    from polarkv_lib.tools.bench_disk import main as run_bench
+
+    run_bench(path, sizes, total, memory, working_set, threads, o_direct, parts)
+
+
 @bench.command("load")
 @click.option("--url", default=None, help="Manager URL (default: start an embedded node).")
 @click.option("--clients", default=8, show_default=True, help="Client processes.")

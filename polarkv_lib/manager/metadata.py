@@ -435,6 +435,7 @@ class Metadata:
         lease_key = lease_id if lease is not None and lease_id else new_id()
         lease_entries: dict[str, Entry] = lease.entries if lease is not None else {}
         wall = time.time()
+        refused = 0  # smallest size class this call found no room for
         for key, size in items:
             entry = self.get(key)
             if entry is not None:
@@ -445,8 +446,15 @@ class Metadata:
                     self.counters.in_progress += 1
                     results.append(AllocResult(key, AllocStatus.IN_PROGRESS))
                 continue
-            placed = self._place(size, batch)
+            need = size_class(size)
+            # A failed placement changed nothing, so anything as large fails too: skip
+            # the search (it scans LRUs), but still ask the offload planner for the room.
+            placed = None if refused and need >= refused else self._place(size, batch)
             if placed is None:
+                if refused and need >= refused:
+                    self._add_pressure(need)
+                else:
+                    refused = need
                 self.counters.no_space += 1
                 results.append(AllocResult(key, AllocStatus.NO_SPACE))
                 continue
@@ -489,10 +497,13 @@ class Metadata:
             if got is not None:
                 node.last_alloc = got[1]
                 return node, *got
-        for node in nodes:  # nowhere: the next offload plans make room for it
-            if node.has_disk:
-                node.pressure += size_class(size)
+        self._add_pressure(need)  # nowhere: the next offload plans make room for it
         return None
+
+    def _add_pressure(self, need: int) -> None:
+        for node in self.nodes.values():
+            if node.alive and node.has_disk:
+                node.pressure += need
 
     def _memory_limit(self, node: Node) -> int:
         # Nodes with a disk keep their memory under the high watermark; offload keeps
@@ -622,6 +633,8 @@ class Metadata:
         budget = node.disk_capacity * self.disk_high
         need = size + 4096
         pending = node.offloading_files
+        if node.disk_used + pending + need <= budget:
+            return True  # the common case: no need to look at the LRU at all
         victims = [e for e in node.disk_lru.values() if not e.reloading and e.readers == 0]
         for victim in victims:
             if node.disk_used + pending + need <= budget:
