@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import xxhash
@@ -48,6 +48,7 @@ from polarkv_lib import logs
 from polarkv_lib.client.async_client import AsyncPolarKVClient
 from polarkv_lib.config import parse_size
 from polarkv_lib.tools import service
+from polarkv_lib.tools.timing import BenchError, run_threads
 
 MiB = 1024**2
 TRANSPORTS = ("tcp", "shm")
@@ -59,10 +60,6 @@ CLIENT_TIMEOUT = 10.0  # bounds every client call; a 64 MiB call needs far less
 WARM_UP_S = 20.0  # per client; the default 1 GiB slab takes about a second
 LIMIT_TIMEOUT = 60.0  # a stuck raw transfer is cut off after this
 GOALS = {"tcp": (0.8, 4 * MiB), "shm": (0.5, 0)}  # load ratio goal, from this size up
-
-
-class BenchError(Exception):
-    """The bench could not run (bad arguments, service did not start)."""
 
 
 @dataclass(frozen=True)
@@ -187,35 +184,6 @@ def _address(buf: bytearray) -> int:
 # -- limits -----------------------------------------------------------------------------
 
 
-def _run_threads(n: int, work: Callable[[int], None], on_timeout: Callable[[], None]) -> float:
-    """Run work(0..n-1) in n threads released together; return the seconds they took."""
-    barrier = threading.Barrier(n + 1)
-    errors: list[BaseException] = []
-
-    def body(i: int) -> None:
-        try:
-            barrier.wait()
-            work(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    deadline = time.monotonic() + LIMIT_TIMEOUT
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    elapsed = time.perf_counter() - start
-    if any(t.is_alive() for t in threads):
-        on_timeout()
-        raise BenchError(f"a limit measurement ran past {LIMIT_TIMEOUT:.0f}s")
-    if errors:
-        raise BenchError(f"a limit measurement failed: {errors[0]!r}")
-    return elapsed
-
-
 def memcpy_limit(bufs: Buffers, n: int, conc: int, store: bool) -> float:
     """memcpy of n objects in conc threads: the floor under any shm transfer."""
     src, dst = (bufs.src, bufs.sink) if store else (bufs.src, bufs.dst)
@@ -225,7 +193,7 @@ def memcpy_limit(bufs: Buffers, n: int, conc: int, store: bool) -> float:
         for i in range(c * per, (c + 1) * per):
             ctypes.memmove(dst_addr + i * size, src_addr + i * size, size)
 
-    return n * size / _run_threads(conc, work, lambda: None) / 1e9
+    return n * size / run_threads(conc, work, LIMIT_TIMEOUT, "limit measurement") / 1e9
 
 
 # op (1 read, 2 write), offset, length, padded to 64 bytes: a WRITE's payload then starts
@@ -320,7 +288,7 @@ def socket_limit(server: RawServer, bufs: Buffers, n: int, conc: int, store: boo
                 s.shutdown(socket.SHUT_RDWR)
 
     try:
-        return n * size / _run_threads(conc, work, cut) / 1e9
+        return n * size / run_threads(conc, work, LIMIT_TIMEOUT, "limit measurement", cut) / 1e9
     finally:
         for s in socks:
             s.close()

@@ -78,6 +78,7 @@ from polarkv_lib.config import parse_size
 from polarkv_lib.keys import chunk_keys
 from polarkv_lib.node.buffer import SlabBuffer, buffer_path
 from polarkv_lib.node.disk import HEADER_SIZE, DiskFailure, DiskStore
+from polarkv_lib.tools.timing import BenchError, run_threads
 
 MiB = 1024**2
 PARTS = ("store", "service", "fit")
@@ -97,10 +98,6 @@ IO_TIMEOUT = 120.0  # a raw or DiskStore measurement stuck this long is abandone
 SETTLE_TIMEOUT = 30.0  # wait for offloads still in flight when the stores returned
 BUDGET_S = {"store": 40.0, "service": 100.0, "fit": 30.0}  # rounds are cut to stay near these
 DISK_SLACK = 1024 * MiB  # free space left to others beyond what the bench itself needs
-
-
-class BenchError(Exception):
-    """The bench could not run (bad arguments, a service or a measurement failed)."""
 
 
 @dataclass(frozen=True)
@@ -250,37 +247,21 @@ def _run_threads(n: int, threads: int, op: Callable[[int], None]) -> float:
     start to the last one's end."""
     counter = itertools.count()
     lock = threading.Lock()
-    barrier = threading.Barrier(threads + 1)
-    errors: list[BaseException] = []
+    stop = threading.Event()  # one failed or late: the others stop at their next object
 
-    def body() -> None:
-        try:
-            barrier.wait()
-            while not errors:
-                with lock:
-                    i = next(counter)
-                if i >= n:
-                    return
+    def drain(_: int) -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(counter)
+            if i >= n:
+                return
+            try:
                 op(i)
-        except BaseException as exc:
-            errors.append(exc)
+            except BaseException:
+                stop.set()
+                raise
 
-    workers = [threading.Thread(target=body, daemon=True, name=f"bench-disk-{k}")
-               for k in range(threads)]
-    for t in workers:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    deadline = time.monotonic() + IO_TIMEOUT
-    for t in workers:
-        t.join(max(0.0, deadline - time.monotonic()))
-    elapsed = time.perf_counter() - start
-    if any(t.is_alive() for t in workers):
-        errors.append(TimeoutError())  # the others stop at their next object
-        raise BenchError(f"a disk measurement ran past {IO_TIMEOUT:.0f}s")
-    if errors:
-        raise BenchError(f"a disk measurement failed: {errors[0]!r}")
-    return elapsed
+    return run_threads(threads, drain, IO_TIMEOUT, "disk measurement", stop.set)
 
 
 def _raw_write(path: str, data: memoryview, direct: int) -> None:
