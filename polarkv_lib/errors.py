@@ -32,14 +32,6 @@ class AccessDenied(PolarKVError):
     """A grant or token was refused."""
 
 
-class IntegrityError(PolarKVError):
-    """Bytes did not match their checksum."""
-
-
-class CapacityError(PolarKVError):
-    """No space could be found for a write."""
-
-
 class BadRequest(PolarKVError):
     """Input that a caller must fix; the API answers it with a 4xx."""
 

@@ -19,7 +19,6 @@ import mmap
 import os
 import struct
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -86,7 +85,6 @@ class DiskCounters:
     reloads: int = 0
     reload_bytes: int = 0
     deletes: int = 0
-    failures: int = 0
 
 
 class DiskStore:
@@ -306,8 +304,4 @@ class DiskStore:
             c = self.counters
             return {"disk_files": len(self.files), "disk_used": self.used, "disk_capacity": self.capacity,
                     "offloads": c.offloads, "offload_bytes": c.offload_bytes, "reloads": c.reloads,
-                    "reload_bytes": c.reload_bytes, "disk_deletes": c.deletes, "disk_failures": c.failures}
-
-
-def now() -> float:
-    return time.monotonic()
+                    "reload_bytes": c.reload_bytes, "disk_deletes": c.deletes}

@@ -345,9 +345,6 @@ def _store_part(plan: Plan, workdir: str, rows: list[Row]) -> None:
                     offload.notes.append(f"{r} rounds (time budget)")
                     break
                 _store_round(plan, workdir, setup, offload, reload, first_ours=r % 2 == 1)
-            failures = store.stats()["disk_failures"]
-            if failures:
-                offload.notes.append(f"{failures} DiskStore failures")
 
 
 def _make_key_dirs(store: DiskStore, keys: list[str]) -> None:
