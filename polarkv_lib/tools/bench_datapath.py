@@ -48,7 +48,7 @@ from polarkv_lib import logs
 from polarkv_lib.client.async_client import AsyncPolarKVClient
 from polarkv_lib.config import parse_size
 from polarkv_lib.tools import service
-from polarkv_lib.tools.timing import BenchError, run_threads
+from polarkv_lib.tools.timing import BenchError, markdown_table, run_threads
 
 MiB = 1024**2
 TRANSPORTS = ("tcp", "shm")
@@ -458,13 +458,7 @@ def render(rows: list[Row]) -> str:
         goal_text = "" if goal is None else f">={goal:.1f} {'met' if ratio >= goal else 'MISSED'}"
         lines.append((r.transport, _size_text(r.size), str(r.concurrency), r.op, f"{ours:.2f}",
                       f"{limit:.2f}", f"{ratio:.2f}", goal_text, "; ".join(dict.fromkeys(r.notes))))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for k, line in enumerate(lines):
-        out.append("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |")
-        if k == 0:
-            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(out)
+    return markdown_table(lines)
 
 
 def main(sizes: str, concurrency: str, transports: str, total: str, memory: str) -> None:

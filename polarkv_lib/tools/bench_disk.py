@@ -78,7 +78,7 @@ from polarkv_lib.config import parse_size
 from polarkv_lib.keys import chunk_keys
 from polarkv_lib.node.buffer import SlabBuffer, buffer_path
 from polarkv_lib.node.disk import HEADER_SIZE, DiskFailure, DiskStore
-from polarkv_lib.tools.timing import BenchError, run_threads
+from polarkv_lib.tools.timing import BenchError, markdown_table, run_threads
 
 MiB = 1024**2
 PARTS = ("store", "service", "fit")
@@ -1006,13 +1006,7 @@ def render(rows: list[Row]) -> str:
         lines.append((r.part, _size_text(r.size), r.op, f"{max(r.ours, default=0.0):.2f}", r.baseline,
                       f"{max(r.base, default=0.0):.2f}", f"{ratio:.2f}",
                       f">={goal:.1f} {'met' if round(ratio, 2) >= goal else 'MISSED'}"))  # as shown
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for k, line in enumerate(lines):
-        out.append("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |")
-        if k == 0:
-            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(out)
+    return markdown_table(lines)
 
 
 def _notes(rows: list[Row]) -> list[str]:

@@ -1,10 +1,10 @@
-"""Shared pieces of the benchmarks: timing work across threads released together."""
+"""Shared pieces of the benchmarks: timing work across threads, printing tables."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class BenchError(Exception):
@@ -43,3 +43,14 @@ def run_threads(threads: int, work: Callable[[int], None], timeout: float, what:
     if errors:
         raise BenchError(f"a {what} failed: {errors[0]!r}")
     return elapsed
+
+
+def markdown_table(lines: Sequence[tuple[str, ...]]) -> str:
+    """lines[0] is the header; columns padded so the table also reads as plain text."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |")
+        if k == 0:
+            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out)
