@@ -88,7 +88,7 @@ def test_breaker_makes_a_dead_manager_cost_one_timeout(cluster: Cluster) -> None
             assert first >= TIMEOUT * 0.4  # the first call pays a (server-wait bounded) timeout
             for _ in range(20):  # the rest fail fast while the breaker is open
                 result, took = _timed(c.load_kv, tokens)
-                assert result == (0, []) and took < 0.05
+                assert result == (0, []) and took < 0.25  # no network wait: far under the 1 s timeout
         finally:
             os.kill(node.proc.pid, signal.SIGCONT)
         time.sleep(3.1)  # the breaker lets a probe through; the manager answers again
