@@ -33,6 +33,6 @@ def manager_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_api_conforms(case: schemathesis.Case, manager_url: str) -> None:
     case.call_and_validate(base_url=manager_url, timeout=15)  # long polls wait up to 10 s
