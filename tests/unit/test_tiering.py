@@ -312,15 +312,22 @@ def test_leased_entry_keeps_its_memory_copy_until_the_next_plan() -> None:
     assert md.counters.offloads == 1
 
 
-def test_allocation_drops_a_clean_memory_copy_instead_of_waiting() -> None:
+def with_a_clean_copy() -> tuple[Metadata, Node]:
+    """A full node (9 chunks) whose least recent entry, K0, is in memory and on disk,
+    unleased: the one memory copy that can go without a write."""
     md, _, d = make()
     fill(md, K[:9])
     md.plan_tiering()
     (order,) = md.take_orders("d1")
-    _, lease = md.lookup([K[0]], take_lease=True)
+    _, lease = md.lookup([K[0]], take_lease=True)  # keeps its memory copy past the offload
     md.lookup(K[1:9], take_lease=False)
     md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
-    md.release([lease])  # K0: memory and disk, unleased, 9 chunks used
+    md.release([lease])
+    return md, d
+
+
+def test_allocation_drops_a_clean_memory_copy_instead_of_waiting() -> None:
+    md, d = with_a_clean_copy()
     results, _ = md.allocate([(K[9], CHUNK)])
     assert results[0].status is AllocStatus.ALLOCATED
     assert tiers(md, K[0]) == ["disk"]
@@ -509,14 +516,7 @@ def test_reload_without_room_ends_the_prefix_and_asks_for_room() -> None:
 
 
 def test_reload_does_not_push_out_an_earlier_hit_of_the_same_lookup() -> None:
-    md, _, d = make()
-    fill(md, K[:9])
-    md.plan_tiering()
-    (order,) = md.take_orders("d1")
-    _, lease = md.lookup([K[0]], take_lease=True)
-    md.lookup(K[1:9], take_lease=False)
-    md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
-    md.release([lease])  # K0: memory and disk, the only memory copy that could go
+    md, d = with_a_clean_copy()
     (x,) = adopt(md, d, [X])
     _, others = md.lookup(K[1:9], take_lease=True)
     hits, lease = md.lookup([K[0], X], take_lease=True)
