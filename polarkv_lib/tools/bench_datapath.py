@@ -136,11 +136,8 @@ def running_service(memory: int, workdir: str) -> Iterator[str]:
     Manager and slab only: with the disk role, rounds past the memory watermark would be
     offloaded to disk during the measurements (disk writes in the slab process, and
     stores waiting for room). Without it the slab evicts its least recently used entries."""
-    try:
-        with service.running_service(workdir, ("manager", "slab"), {"slab.memory": str(memory)}) as info:
-            yield str(info["manager_url"])
-    except service.ServiceError as exc:
-        raise BenchError(str(exc)) from None
+    with service.running_service(workdir, ("manager", "slab"), {"slab.memory": str(memory)}) as info:
+        yield str(info["manager_url"])
 
 
 # -- buffers ----------------------------------------------------------------------------

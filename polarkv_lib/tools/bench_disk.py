@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import glob
 import itertools
 import math
 import mmap
@@ -55,29 +54,26 @@ import platform
 import re
 import secrets
 import shutil
-import signal
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import orjson
 import xxhash
 
-import polarkv_lib
 from polarkv_lib import logs
 from polarkv_lib.client.async_client import AsyncPolarKVClient
 from polarkv_lib.config import parse_size
 from polarkv_lib.keys import chunk_keys
-from polarkv_lib.node.buffer import SlabBuffer, buffer_path
+from polarkv_lib.node.buffer import SlabBuffer
 from polarkv_lib.node.disk import HEADER_SIZE, DiskFailure, DiskStore
+from polarkv_lib.tools.service import Service, running
 from polarkv_lib.tools.timing import BenchError, markdown_table, run_threads
 
 MiB = 1024**2
@@ -92,8 +88,6 @@ CALLERS = 4  # concurrent store_kv/load_kv callers in one client, like a few eng
 POOL_BYTES = 128 * MiB  # distinct objects the service part cycles through (bounds our RSS)
 SAMPLE_S = 0.02  # stats polling period: a window error of at most 2 periods
 CLIENT_TIMEOUT = 30.0  # bounds each client call; a stalled reload shows up as a miss
-START_TIMEOUT = 30.0
-STOP_TIMEOUT = 15.0  # the service's own shutdown bound is 10 s
 IO_TIMEOUT = 120.0  # a raw or DiskStore measurement stuck this long is abandoned
 SETTLE_TIMEOUT = 30.0  # wait for offloads still in flight when the stores returned
 BUDGET_S = {"store": 40.0, "service": 100.0, "fit": 30.0}  # rounds are cut to stay near these
@@ -423,100 +417,6 @@ def _store_round(plan: Plan, workdir: str, setup: StoreSetup, offload: Row, relo
 # -- services ---------------------------------------------------------------------------
 
 
-class Service:
-    """One `polarkv` subprocess on ephemeral loopback ports, in its own directory (its
-    metadata store and, with the disk role, its disk path live there)."""
-
-    def __init__(self, workdir: str, roles: tuple[str, ...], settings: dict[str, str]) -> None:
-        os.makedirs(workdir, exist_ok=True)
-        self.workdir = workdir
-        self._ready = os.path.join(workdir, "ready.json")
-        self._log = os.path.join(workdir, "service.log")
-        self._cmd = [sys.executable, "-m", "polarkv"]
-        for role in roles:
-            self._cmd += ["--role", role]
-        base = {"manager.listen": "127.0.0.1:0", "slab.listen": "127.0.0.1:0", "log.level": "warning"}
-        for key, value in {**base, **settings}.items():
-            self._cmd += ["--set", f"{key}={value}"]
-        self._cmd += ["--ready-file", self._ready]
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._node_id = ""
-        self.url = ""
-
-    def start(self) -> None:
-        env = dict(os.environ)
-        root = Path(polarkv_lib.__file__).resolve().parent.parent
-        if (root / "polarkv.py").exists():  # a source checkout: make `-m polarkv` importable
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-        with open(self._log, "wb") as log_file:
-            self._proc = subprocess.Popen(self._cmd, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL,
-                                          stdout=log_file, stderr=subprocess.STDOUT)
-
-    @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.pid
-
-    def wait_ready(self) -> str:
-        assert self._proc is not None
-        deadline = time.monotonic() + START_TIMEOUT
-        while not os.path.exists(self._ready):
-            if self._proc.poll() is not None:
-                raise BenchError(f"polarkv exited with {self._proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise BenchError(f"polarkv not ready in {START_TIMEOUT:.0f}s:\n{self.log_tail()}")
-            time.sleep(0.05)
-        with open(self._ready, "rb") as fh:
-            info = orjson.loads(fh.read())
-        self._node_id = str(info.get("node_id", ""))
-        self.url = str(info["manager_url"])
-        return self.url
-
-    def terminate(self) -> None:
-        """Ask it to stop (orderly: the slab unlinks its /dev/shm buffer); stop() waits."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-
-    def stop(self) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            self.terminate()
-            try:
-                proc.wait(STOP_TIMEOUT)
-                return
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._node_id and proc.returncode not in (0, -signal.SIGTERM):
-            # Killed or crashed: its buffer file would hold the memory until reboot.
-            pattern = buffer_path("/dev/shm", self._node_id, 0).replace("0" * 16, "*")
-            for path in glob.glob(pattern):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self._log, errors="replace") as fh:
-                return "".join(fh.readlines()[-lines:])
-        except OSError:
-            return ""
-
-
-@contextlib.contextmanager
-def running(*services: Service) -> Iterator[list[str]]:
-    """Start the services together (their start-ups overlap), yield their manager URLs,
-    and stop every one of them, whatever happened (their shutdowns overlap too)."""
-    try:
-        for service in services:
-            service.start()
-        yield [service.wait_ready() for service in services]
-    finally:
-        for service in services:
-            service.terminate()
-        for service in services:
-            service.stop()
 
 
 def _get(url: str) -> bytes:
