@@ -4,29 +4,39 @@
     polarkv --role manager               the metadata service
     polarkv --role slab                  a memory node
     polarkv bench datapath               data-plane throughput beside its limits
-    polarkv admin stats|nodes|key|delete the admin API from a terminal
+    polarkv admin stats|nodes|key|delete|drain   the admin API from a terminal
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-import urllib.error
-import urllib.request
-from typing import Any
+from typing import NoReturn
 
 import click
 import orjson
+import structlog
 
+from polarkv_lib import __version__
+from polarkv_lib.cli.admin import admin
+from polarkv_lib.cluster.cli import cluster
 from polarkv_lib.config import Config, load_config
-from polarkv_lib.errors import ConfigError
+from polarkv_lib.errors import ConfigError, ExitCode
+from polarkv_lib.tools.bench.cli import bench
+from polarkv_lib.tools.plan import plan_command
+from polarkv_lib.tools.replay.cli import replay
 
-EXIT_CONFIG = 2
-EXIT_RUNTIME = 3
 
-
-def _fail(message: str, code: int = EXIT_CONFIG) -> None:
-    click.echo(f"polarkv: {message}", err=True)
+def _fail(message: str, code: ExitCode = ExitCode.CONFIG, json_line: bool | None = None) -> NoReturn:
+    """One line and a named exit code; a JSON line when the logs are JSON."""
+    if json_line is None:
+        ctx = click.get_current_context(silent=True)
+        json_line = ctx is not None and (ctx.find_root().obj or {}).get("log_format") == "json"
+    if json_line:
+        line = {"event": "polarkv failed", "level": "error", "error": message, "exit_code": int(code)}
+        click.echo(orjson.dumps(line).decode(), err=True)
+    else:
+        click.echo(f"polarkv: {message}", err=True)
     sys.exit(code)
 
 
@@ -43,6 +53,7 @@ def _config(ctx: click.Context) -> Config:
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="polarkv", message="%(prog)s %(version)s")
 @click.option("--role", "roles", multiple=True, type=click.Choice(["manager", "slab", "disk"]),
               help="Role(s) of this process; repeatable. None: all roles, embedded single node.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
@@ -70,133 +81,29 @@ def main(ctx: click.Context, roles: tuple[str, ...], config_path: str | None,
     except ConfigError as exc:
         _fail(str(exc))
     logs.configure(config.log.format, config.log.level)
+    json_line = config.log.format == "json"
     try:
         asyncio.run(runner.run(config, role_set, ready_file, insecure=insecure))
     except ConfigError as exc:
-        _fail(str(exc))
+        _fail(str(exc), json_line=json_line)
     except KeyboardInterrupt:
         pass
+    except Exception as exc:  # a crash: still one line in the log's format, and a named exit
+        structlog.get_logger("polarkv").exception("polarkv crashed", error=repr(exc))
+        sys.exit(ExitCode.RUNTIME)
 
 
-# -- admin -----------------------------------------------------------------------------
+# -- admin (polarkv_lib/cli/admin.py) ------------------------------------------------
 
-
-def _admin_request(config: Config, method: str, path: str, url: str | None) -> Any:
-    base = (url or config.client.manager_url).rstrip("/")
-    token = config.security.admin_token if method == "DELETE" and config.security.admin_token \
-        else config.security.token
-    request = urllib.request.Request(base + path, method=method)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=config.client.timeout + 3) as resp:
-            body = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")
-        _fail(f"{method} {path}: HTTP {exc.code} {detail}", EXIT_RUNTIME)
-    except (urllib.error.URLError, OSError) as exc:
-        _fail(f"cannot reach the manager at {base}: {exc}", EXIT_RUNTIME)
-    if path == "/metrics":
-        return body.decode()
-    return orjson.loads(body)
-
-
-@main.group()
-def admin() -> None:
-    """Talk to a running manager's admin API."""
-
-
-def _admin_command(name: str, method: str, path: str, takes_key: bool = False) -> None:
-    @click.option("--url", default=None, help="Manager URL (default: client.manager_url).")
-    @click.pass_context
-    def command(ctx: click.Context, url: str | None, key: str | None = None) -> None:
-        result = _admin_request(_config(ctx), method, path.format(key=key), url)
-        click.echo(result if isinstance(result, str) else orjson.dumps(result, option=orjson.OPT_INDENT_2))
-
-    if takes_key:
-        command = click.argument("key")(command)
-    admin.command(name, help=f"{method} {path}")(command)
-
-
-_admin_command("stats", "GET", "/v1/stats")
-_admin_command("nodes", "GET", "/v1/nodes")
-_admin_command("metrics", "GET", "/metrics")
-_admin_command("key", "GET", "/v1/keys/{key}", takes_key=True)
-_admin_command("delete", "DELETE", "/v1/keys/{key}", takes_key=True)
+main.add_command(admin)
+main.add_command(cluster)
 
 
 # -- bench -----------------------------------------------------------------------------
 
-
-@main.group()
-def bench() -> None:
-    """Benchmarks (they report speed; tests check behaviour)."""
-
-
-@bench.command("datapath")
-@click.option("--sizes", default="1MiB,4MiB,16MiB", help="Object sizes, comma separated.")
-@click.option("--concurrency", default="1,4", help="Concurrent transfers, comma separated.")
-@click.option("--transports", default="tcp,shm", help="Transports to measure.")
-@click.option("--total", default="256MiB", help="Bytes moved per measurement.")
-@click.option("--memory", default="1GiB", help="Slab memory of the service the bench starts.")
-def bench_datapath(sizes: str, concurrency: str, transports: str, total: str, memory: str) -> None:
-    """Store/load throughput over tcp and shm beside raw socket and memcpy limits."""
-    from polarkv_lib.tools.bench_datapath import main as run_bench
-
-    run_bench(sizes, concurrency, transports, total, memory)
-
-
-@bench.command("disk")
-@click.option("--path", default="", help="Directory on the disk to measure (default: the system temp dir).")
-@click.option("--sizes", default="1MiB,4MiB", show_default=True, help="Object sizes, comma separated.")
-@click.option("--total", default="256MiB", show_default=True, help="Bytes per file-store measurement.")
-@click.option("--memory", default="256MiB", show_default=True, help="Slab memory of the nodes it starts.")
-@click.option("--working-set", default="1GiB", show_default=True,
-              help="Bytes stored and loaded back per service round (>= 4x --memory).")
-@click.option("--threads", default="4", show_default=True, help="I/O threads on both sides.")
-@click.option("--o-direct/--no-o-direct", default=True, show_default=True,
-              help="O_DIRECT on both sides, or the page cache (dropped before reads; needs root).")
-@click.option("--parts", default="store,service,fit", show_default=True, help="Parts to run.")
-def bench_disk(path: str, sizes: str, total: str, memory: str, working_set: str, threads: str,
-               o_direct: bool, parts: str) -> None:
-    """Offload/reload throughput beside raw sequential file I/O; hybrid vs memory-only."""
-    from polarkv_lib.tools.bench_disk import main as run_bench
-
-    run_bench(path, sizes, total, memory, working_set, threads, o_direct, parts)
-
-
-@bench.command("load")
-@click.option("--url", default=None, help="Manager URL (default: start an embedded node).")
-@click.option("--clients", default=8, show_default=True, help="Client processes.")
-@click.option("--seconds", default=60.0, show_default=True, help="How long each client runs.")
-@click.option("--prompts", default=64, show_default=True, help="Prompts in the working set.")
-@click.option("--chunks", default=8, show_default=True, help="Chunks per prompt.")
-@click.option("--chunk-size", default="256KiB", show_default=True, help="Bytes per chunk.")
-@click.option("--store-ratio", default=0.3, show_default=True, help="Share of operations that store.")
-@click.option("--memory", default="64MiB", show_default=True, help="Slab memory of the embedded node.")
-@click.pass_context
-def bench_load(ctx: click.Context, url: str | None, clients: int, seconds: float, prompts: int,
-               chunks: int, chunk_size: str, store_ratio: float, memory: str) -> None:
-    """Mixed store/load from several processes; every loaded byte checked."""
-    import contextlib
-    import tempfile
-
-    from polarkv_lib.config import parse_size
-    from polarkv_lib.tools import loadgen
-    from polarkv_lib.tools.service import running_service
-
-    size = parse_size(chunk_size)
-    with contextlib.ExitStack() as stack:
-        if url is None:  # an embedded node (manager, slab and disk) of its own
-            workdir = stack.enter_context(tempfile.TemporaryDirectory())
-            info = stack.enter_context(running_service(workdir, settings={"slab.memory": memory}))
-            url = str(info["manager_url"])
-        result = loadgen.run(url, clients, seconds, prompts, chunks, size, store_ratio)
-    result["working_set_mib"] = prompts * chunks * size >> 20
-    click.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    if result["wrong_bytes"] or result["exceptions"]:
-        sys.exit(EXIT_RUNTIME)
-
+main.add_command(bench)  # polarkv_lib/tools/bench/cli.py: one line per benchmark there
+main.add_command(replay)  # polarkv_lib/tools/replay/cli.py
+main.add_command(plan_command)  # polarkv_lib/tools/plan.py
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,8 @@ from fractions import Fraction
 from typing import Any
 
 from polarkv_lib.errors import ConfigError
+from polarkv_lib.manager.tenants import parse_quotas, parse_tenants
+from polarkv_lib.shards import Shard, split_urls
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -127,6 +129,17 @@ def _parse_str_list(value: object) -> tuple[str, ...]:
     raise ValueError(f"not a list of strings: {value!r}")
 
 
+def _parse_urls(value: object) -> str:
+    """One manager URL, several separated by commas, or a TOML array of them (shard
+    order); kept as one comma-separated string, so a single URL reads as before. Whether
+    they are URLs is for validate() to say."""
+    return ",".join(p.strip().rstrip("/") for p in _parse_str_list(value))
+
+
+def _parse_shard(value: object) -> str:
+    return str(Shard.parse(value))
+
+
 _PARSERS = {
     "size": parse_size,
     "duration": parse_duration,
@@ -136,6 +149,8 @@ _PARSERS = {
     "float": _parse_float,
     "str": _parse_str,
     "list": _parse_str_list,
+    "urls": _parse_urls,
+    "shard": _parse_shard,
 }
 
 
@@ -146,7 +161,7 @@ def _opt(kind: str, default: Any, help: str) -> Any:
 @dataclass(frozen=True)
 class ManagerConfig:
     listen: str = _opt("address", "127.0.0.1:8170", "manager HTTP address")
-    partitions: int = _opt("int", 16, "key-range partitions of the metadata tables")
+    shard: str = _opt("shard", "0/1", "this manager owns key range I of N (I/N; 0/1: every key)")
     metadata_url: str = _opt("str", "sqlite:///./polarkv-data/meta.db", "write-behind metadata store")
     metadata_flush: float = _opt("duration", 0.2, "write-behind batch interval: the loss window after a crash")
     memory_high_watermark: float = _opt("float", 0.90, "offload starts (fraction of a node's memory)")
@@ -166,11 +181,18 @@ class SlabConfig:
     advertise: str = _opt("str", "", "address clients dial (default: the bound listen address)")
     node_id: str = _opt("str", "", "stable node name (default: host:port of the data plane)")
     memory: int = _opt("size", 1024**3, "size of the slab buffer")
-    manager_url: str = _opt("str", "http://127.0.0.1:8170", "where the slab registers")
+    manager_url: str = _opt("urls", "http://127.0.0.1:8170", "where the slab registers: every manager shard, in shard order")
     shm_dir: str = _opt("str", "/dev/shm", "directory of the buffer file (tmpfs, shared with same-host clients)")
     transports: tuple[str, ...] = _opt("list", ("tcp", "shm"), "transports offered to clients")
     heartbeat_interval: float = _opt("duration", 1.0, "how often the slab heartbeats the manager")
     max_connections: int = _opt("int", 256, "most concurrent data-plane connections")
+    max_connections_per_peer: int = _opt("int", 128, "most data-plane connections from one client host")
+    idle_timeout: float = _opt("duration", 60.0, "a data connection silent this long between requests is closed")
+    frame_timeout: float = _opt("duration", 5.0, "a request header must arrive whole within this")
+    rdma_device: str = _opt("str", "", "RDMA device for the rdma transport (empty: the first with an active port)")
+    rdma_port: int = _opt("int", 1, "port of the RDMA device")
+    rdma_gid_index: int = _opt("int", -1, "GID index for rdma (-1: the first RoCE v2 GID, else the first non-zero)")
+    rdma_windows: bool = _opt("bool", False, "bind a memory window per grant instead of exposing the whole buffer")
 
 
 @dataclass(frozen=True)
@@ -179,15 +201,19 @@ class DiskConfig:
     capacity: int = _opt("size", 16 * 1024**3, "disk tier budget of this node")
     o_direct: bool = _opt("bool", False, "bypass the page cache for offload/reload files")
     io_threads: int = _opt("int", 4, "parallel file operations of the disk role")
+    remote: str = _opt("str", "", "experiment only (global pools): host:port of a remote disk server "
+                       "that holds this node's disk tier; empty (always, in production): local disks")
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    manager_url: str = _opt("str", "http://127.0.0.1:8170", "used by the client and the CLI tools")
+    manager_url: str = _opt("urls", "http://127.0.0.1:8170", "used by the client and the CLI tools: every manager shard, in shard order")
     chunk_tokens: int = _opt("int", 256, "tokens per chunk")
     transport: str = _opt("str", "auto", "auto, tcp, shm or rdma")
     timeout: float = _opt("duration", 2.0, "bound on any one client operation's wait")
     connections: int = _opt("int", 4, "parallel data-plane transfers per client")
+    window: int = _opt("int", 64, "chunks per control round trip of one store or load")
+    breaker_interval: float = _opt("duration", 1.0, "how long an unreachable peer is not retried")
 
 
 @dataclass(frozen=True)
@@ -195,6 +221,8 @@ class SecurityConfig:
     token: str = _opt("str", "", "bearer token required by the control and admin API when set")
     admin_token: str = _opt("str", "", "required for admin writes when set")
     grant_key: str = _opt("str", "", "HMAC key shared by manager and slabs (empty: manager makes one)")
+    tenants: tuple[str, ...] = _opt("list", (), "name:token of each tenant: it sees only the entries it stored")
+    tenant_quotas: tuple[str, ...] = _opt("list", (), "name:size: memory a tenant's entries may take (none: no cap)")
 
 
 @dataclass(frozen=True)
@@ -223,7 +251,16 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field[Any]]:
     return {f.name: f for f in dataclasses.fields(SECTIONS[section])}
 
 
+# Keys that existed once: naming one says why it went, rather than "unknown key".
+REMOVED_KEYS = {
+    "manager.partitions": "removed: partitions of one manager process's table changed nothing; "
+                          "shard the manager across processes with manager.shard (docs/OPERATIONS.md)",
+}
+
+
 def _apply(values: dict[str, dict[str, Any]], section: str, key: str, raw: object, origin: str) -> None:
+    if f"{section}.{key}" in REMOVED_KEYS:
+        raise ConfigError(f"{origin}: {section}.{key}: {REMOVED_KEYS[f'{section}.{key}']}")
     if section not in SECTIONS:
         raise ConfigError(f"{origin}: unknown config section '{section}'")
     fields = _section_fields(section)
@@ -279,7 +316,6 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key}: {why}")
 
     m, s, c = config.manager, config.slab, config.client
-    need(1 <= m.partitions <= 4096, "manager.partitions", "must be between 1 and 4096")
     need(0 < m.memory_low_watermark <= m.memory_high_watermark <= 1,
          "manager.memory_low_watermark", "need 0 < memory_low_watermark <= memory_high_watermark <= 1")
     need(0 < m.disk_high_watermark <= 1, "manager.disk_high_watermark", "must be in (0, 1]")
@@ -297,7 +333,22 @@ def validate(config: Config) -> None:
     need(set(s.transports) <= {"tcp", "shm", "rdma"} and "tcp" in s.transports, "slab.transports",
          "a subset of tcp, shm, rdma that includes tcp")
     need(s.max_connections >= 1, "slab.max_connections", "must be >= 1")
-    need(s.manager_url.startswith(("http://", "https://")), "slab.manager_url", "must be an http(s) URL")
+    need(s.max_connections_per_peer >= 1, "slab.max_connections_per_peer", "must be >= 1")
+    need(s.idle_timeout > 0, "slab.idle_timeout", "must be > 0")
+    need(s.frame_timeout > 0, "slab.frame_timeout", "must be > 0")
+    need(s.rdma_port >= 1, "slab.rdma_port", "must be >= 1")
+    need(s.rdma_gid_index >= -1, "slab.rdma_gid_index", "must be >= -1 (-1: automatic)")
+    for key, urls in (("slab.manager_url", s.manager_url), ("client.manager_url", c.manager_url)):
+        try:
+            split_urls(urls)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: must be http(s) URLs, one per shard: {exc}") from None
+    # Grants of every shard must verify on every slab: one key, configured on all of them.
+    shared_key = "security.grant_key, the same on every manager shard and slab"
+    need(Shard.parse(m.shard).count == 1 or bool(config.security.grant_key), "manager.shard",
+         f"a sharded manager needs {shared_key}")
+    need("," not in s.manager_url or bool(config.security.grant_key), "slab.manager_url",
+         f"several shards need {shared_key}")
     if s.advertise:
         try:
             parse_address(s.advertise)
@@ -306,11 +357,27 @@ def validate(config: Config) -> None:
     need(len(config.disk.paths) >= 1, "disk.paths", "needs at least one directory")
     need(config.disk.capacity >= 1024**2, "disk.capacity", "must be at least 1MiB")
     need(1 <= config.disk.io_threads <= 64, "disk.io_threads", "must be between 1 and 64")
+    if config.disk.remote:
+        try:
+            parse_address(config.disk.remote)
+        except ValueError as exc:
+            raise ConfigError(f"disk.remote: {exc}") from None
+    try:
+        tenants = parse_tenants(config.security.tenants)
+    except ValueError as exc:
+        raise ConfigError(f"security.tenants: {exc}") from None
+    need(not tenants or bool(config.security.admin_token), "security.tenants",
+         "tenants need security.admin_token (nodes and the admin must not share a tenant's token)")
+    need(config.security.admin_token not in tenants, "security.tenants", "a tenant's token is the admin token")
+    try:
+        parse_quotas(config.security.tenant_quotas, tenants.values(), parse_size)
+    except ValueError as exc:
+        raise ConfigError(f"security.tenant_quotas: {exc}") from None
     need(c.chunk_tokens >= 1, "client.chunk_tokens", "must be >= 1")
     need(c.transport in ("auto", "tcp", "shm", "rdma"), "client.transport", "auto, tcp, shm or rdma")
     need(c.timeout > 0, "client.timeout", "must be > 0")
     need(c.connections >= 1, "client.connections", "must be >= 1")
-    need(c.manager_url.startswith(("http://", "https://")), "client.manager_url", "must be an http(s) URL")
+    need(c.window >= 1, "client.window", "must be >= 1")
     need(config.log.format in ("console", "json"), "log.format", "console or json")
     need(config.log.level in ("debug", "info", "warning", "error"), "log.level",
          "debug, info, warning or error")

@@ -76,6 +76,8 @@ def chunk_keys(tokens: Any, namespace: str, chunk_tokens: int = 256) -> list[str
     prev = _namespace_root(namespace)
     keys = []
     for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
-        prev = blake2b(prev + _token_bytes(ids[start:start + chunk_tokens]), digest_size=16).digest()
+        prev = blake2b(
+            prev + _token_bytes(ids[start : start + chunk_tokens]), digest_size=16
+        ).digest()
         keys.append(prev.hex())
     return keys

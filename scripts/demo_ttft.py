@@ -14,6 +14,7 @@ and the time the cold request took to store its chunks (after its first token).
     python scripts/demo_ttft.py                        # starts its own PolarKV
     python scripts/demo_ttft.py --url http://h:8170    # uses a running one
     python scripts/demo_ttft.py --prefix-tokens 1024 --requests 3 --layers 4
+    python scripts/demo_ttft.py --size small --prefix-tokens 512,1024,2048,4096  # the gain by length
 
 Run it with the engines virtualenv (torch, transformers); set HF_HUB_OFFLINE=1.
 """
@@ -198,21 +199,65 @@ def format_report(report: DemoReport) -> str:
     return "\n".join(lines)
 
 
+# Model sizes for --size; explicit --layers, --hidden ... override them.
+SIZES = {
+    "small": dict(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704),
+    "medium": dict(layers=8, hidden=512, heads=8, kv_heads=4, intermediate=1408),
+    "large": dict(layers=16, hidden=1024, heads=16, kv_heads=4, intermediate=2816),
+}
+SHAPE = ("layers", "hidden", "heads", "kv_heads", "intermediate")
+
+
+def format_growth(reports: list[DemoReport]) -> str:
+    """One line per prefix length: how the gain grows with the prefix."""
+    lines = ["| prefix tokens | TTFT full prefill | TTFT with PolarKV | of which load | speedup |",
+             "|---|---|---|---|---|"]
+    for report in reports:
+        warm = report.warm
+        if not warm:
+            continue
+        full = statistics.median(r.ttft_full_ms for r in warm)
+        ours = statistics.median(r.ttft_polarkv_ms for r in warm)
+        load = statistics.median(r.load_ms for r in warm)
+        lines.append(f"| {report.spec.prefix_tokens} | {full:.0f} ms | {ours:.0f} ms | {load:.0f} ms "
+                     f"| {report.median_speedup:.1f}x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     d = DemoSpec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="manager URL of a running PolarKV (default: start one)")
     parser.add_argument("--arch", choices=("llama", "qwen2"), default=d.arch)
-    for name in ("prefix_tokens", "suffix_tokens", "requests", "gen_tokens", "chunk_tokens",
-                 "layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "seed", "repeats",
-                 "threads"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    parser.add_argument("--size", choices=tuple(SIZES), default="medium",
+                        help="model size preset (medium: the defaults)")
+    parser.add_argument("--prefix-tokens", default=str(d.prefix_tokens),
+                        help="shared prefix length; a comma-separated list runs the demo once per "
+                             "length and ends with a table of the gain by length")
+    for name in ("suffix_tokens", "requests", "gen_tokens", "chunk_tokens", *SHAPE, "vocab", "seed",
+                 "repeats", "threads"):
+        default = None if name in SHAPE else getattr(d, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--transport", choices=("auto", "tcp", "shm"), default=d.transport)
     args = vars(parser.parse_args())
     url = args.pop("url")
+    size = SIZES[args.pop("size")]
+    for name in SHAPE:
+        if args[name] is None:
+            args[name] = size[name]
+    try:
+        lengths = [int(n) for n in args.pop("prefix_tokens").split(",") if n.strip()]
+    except ValueError:
+        parser.error("--prefix-tokens: integers, comma separated")
+    if not lengths or min(lengths) < 1:
+        parser.error("--prefix-tokens: at least one positive length")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report = run_demo(DemoSpec(**args), url)
-    print(format_report(report))
+    reports = []
+    for n in lengths:
+        reports.append(run_demo(DemoSpec(prefix_tokens=n, **args), url))
+        print(format_report(reports[-1]), end="\n\n", flush=True)
+    if len(reports) > 1:
+        print(format_growth(reports))
 
 
 if __name__ == "__main__":

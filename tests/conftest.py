@@ -2,59 +2,79 @@
 
 from __future__ import annotations
 
-import contextlib
-import glob
+import asyncio
+import inspect
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from polarkv_lib.node.buffer import buffer_path
+from polarkv_lib.client.admin import AdminClient
+from polarkv_lib.node.buffer import remove_stale_buffers
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
-         token: str | None = None, timeout: float = 5.0) -> tuple[int, Any]:
-    """One HTTP request; returns (status, parsed JSON or text)."""
-    data = raw if raw is not None else (orjson.dumps(body) if body is not None else None)
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, payload = resp.status, resp.read()
-            ctype = resp.headers.get("Content-Type", "")
-    except urllib.error.HTTPError as exc:
-        status, payload = exc.code, exc.read()
-        ctype = exc.headers.get("Content-Type", "")
-    if "json" in ctype:
-        return status, orjson.loads(payload)
-    return status, payload.decode()
+def http(
+    method: str,
+    url: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    token: str | None = None,
+    timeout: float = 5.0,
+) -> tuple[int, Any]:
+    """One HTTP request to a full URL; returns (status, parsed JSON or text). The
+    project's blocking AdminClient does the work."""
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    return AdminClient(f"{parts.scheme}://{parts.netloc}", timeout=timeout).request(
+        method, path, body, raw, token=token
+    )
+
+
+def prompt(conversation: int, chunks: int, chunk_tokens: int) -> list[int]:
+    """The tokens of a test prompt: `chunks` full chunks, distinct per conversation."""
+    return [conversation * 100_000 + t for t in range(chunks * chunk_tokens)]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (for a moment: bind it soon)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class PolarKV:
     """One running `polarkv` process."""
 
-    def __init__(self, workdir: Path, name: str, roles: list[str], settings: dict[str, str | None],
-                 env: dict[str, str] | None = None, config_file: Path | None = None,
-                 extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        roles: list[str],
+        settings: Mapping[str, str | None],
+        env: dict[str, str] | None = None,
+        config_file: Path | None = None,
+        extra_args: list[str] | None = None,
+        max_files: int | None = None,
+    ) -> None:
         self.workdir = workdir
         self.name = name
         self.ready_file = workdir / f"{name}.ready.json"
         self.log_path = workdir / f"{name}.log"
         args = [sys.executable, str(ROOT / "polarkv.py")]
+        if max_files is not None:  # RLIMIT_NOFILE of the process, via util-linux's prlimit
+            args = ["prlimit", f"--nofile={max_files}:{max_files}", *args]
         for role in roles:
             args += ["--role", role]
         if config_file is not None:
@@ -64,8 +84,13 @@ class PolarKV:
                 args += ["--set", f"{key}={value}"]
         args += ["--ready-file", str(self.ready_file), *(extra_args or [])]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(args, cwd=workdir, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            args,
+            cwd=workdir,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         self.info: dict[str, Any] = {}
 
     def wait_ready(self, timeout: float = 20.0) -> PolarKV:
@@ -102,10 +127,7 @@ class PolarKV:
         carries a random port, never comes back to reclaim it): the test removes it."""
         node_id = self.info.get("node_id")
         if node_id:
-            pattern = buffer_path("/dev/shm", str(node_id), 0).replace("0" * 16, "*")
-            for path in glob.glob(pattern):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            remove_stale_buffers("/dev/shm", str(node_id))
 
     def terminate(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:
@@ -134,19 +156,42 @@ class Cluster:
         self.workdir = workdir
         self.procs: list[PolarKV] = []
 
-    def start(self, roles: list[str], settings: dict[str, str | None] | None = None,
-              name: str | None = None, env: dict[str, str] | None = None, wait: bool = True,
-              config_file: Path | None = None, extra_args: list[str] | None = None) -> PolarKV:
+    def start(
+        self,
+        roles: list[str],
+        settings: Mapping[str, str | None] | None = None,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        config_file: Path | None = None,
+        extra_args: list[str] | None = None,
+        max_files: int | None = None,
+    ) -> PolarKV:
         base: dict[str, str | None] = {"log.level": "info"}
         if "manager" in roles or not roles:
             base["manager.listen"] = "127.0.0.1:0"
         if "slab" in roles or not roles:
-            base.update({"slab.listen": "127.0.0.1:0", "slab.memory": "64MiB",
-                         "slab.heartbeat_interval": "200ms", "manager.heartbeat_ttl": "1s"})
+            base.update(
+                {
+                    "slab.listen": "127.0.0.1:0",
+                    "slab.memory": "64MiB",
+                    "slab.heartbeat_interval": "200ms",
+                    "manager.heartbeat_ttl": "1s",
+                }
+            )
         name = name or f"p{len(self.procs)}"
         if "disk" in roles or not roles:
             base.update({"disk.paths": str(self.workdir / f"{name}-disk"), "disk.capacity": "1GiB"})
-        proc = PolarKV(self.workdir, name, roles, {**base, **(settings or {})}, env, config_file, extra_args)
+        proc = PolarKV(
+            self.workdir,
+            name,
+            roles,
+            {**base, **(settings or {})},
+            env,
+            config_file,
+            extra_args,
+            max_files,
+        )
         self.procs.append(proc)
         return proc.wait_ready() if wait else proc
 
@@ -155,8 +200,12 @@ class Cluster:
 
     def slab(self, manager_url: str, **settings: str) -> PolarKV:
         proc = self.start(["slab"], {"slab.manager_url": manager_url, **_dotted(settings)})
-        wait_for(lambda: any(n["id"] == proc.info["node_id"] and n["state"] == "alive"
-                             for n in http("GET", manager_url + "/v1/nodes")[1]["nodes"]))
+        wait_for(
+            lambda: any(
+                n["id"] == proc.info["node_id"] and n["state"] == "alive"
+                for n in http("GET", manager_url + "/v1/nodes")[1]["nodes"]
+            )
+        )
         return proc
 
     def embedded(self, disk: bool = False, **settings: str) -> PolarKV:
@@ -166,8 +215,12 @@ class Cluster:
 
     def slab_disk(self, manager_url: str, **settings: str) -> PolarKV:
         proc = self.start(["slab", "disk"], {"slab.manager_url": manager_url, **_dotted(settings)})
-        wait_for(lambda: any(n["id"] == proc.info["node_id"] and n["state"] == "alive"
-                             for n in http("GET", manager_url + "/v1/nodes")[1]["nodes"]))
+        wait_for(
+            lambda: any(
+                n["id"] == proc.info["node_id"] and n["state"] == "alive"
+                for n in http("GET", manager_url + "/v1/nodes")[1]["nodes"]
+            )
+        )
         return proc
 
     def close(self) -> None:
@@ -205,3 +258,48 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+# -- the event loop stays free ------------------------------------------------------------
+
+# Seconds one step of the loop may take. Wall clock: a loaded 2-core box preempts for a
+# few hundred ms now and then; real blocking (a restore, a whole-buffer fallocate) is longer.
+SLOW_CALLBACK_BOUND = 0.5
+
+
+class _SlowCallbacks(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reports: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Executing ") and " took " in message:
+            self.reports.append(message)
+
+
+@pytest.fixture
+async def loop_stays_free() -> AsyncIterator[None]:
+    """Fail the test if any callback held the event loop longer than the bound: asyncio's
+    debug mode reports each one ("Executing <Handle ...> took 0.3 seconds")."""
+    loop = asyncio.get_running_loop()
+    handler = _SlowCallbacks()
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(handler)
+    debug, duration = loop.get_debug(), loop.slow_callback_duration
+    loop.set_debug(True)
+    loop.slow_callback_duration = SLOW_CALLBACK_BOUND
+    try:
+        yield
+    finally:
+        loop.set_debug(debug)
+        loop.slow_callback_duration = duration
+        logger.removeHandler(handler)
+    assert not handler.reports, "the event loop was blocked:\n" + "\n".join(handler.reports)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every in-process async test runs under `loop_stays_free`."""
+    for item in items:
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.function):
+            item.fixturenames.append("loop_stays_free")

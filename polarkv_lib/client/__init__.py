@@ -1,7 +1,19 @@
-"""The PolarKV client library (DESIGN §8). Importing it never imports torch."""
+"""The PolarKV client library (DESIGN §8). Importing it never imports torch.
 
+Caches use `PolarKVClient` (blocking) or `AsyncPolarKVClient`; operators' tools use
+`AdminClient`, the small blocking client of the admin API."""
+
+from polarkv_lib.client.admin import AdminClient
 from polarkv_lib.client.async_client import AsyncPolarKVClient, CallerError, ClientStats, checksum
 from polarkv_lib.client.sync_client import PolarKVClient
 from polarkv_lib.keys import chunk_keys
 
-__all__ = ["AsyncPolarKVClient", "CallerError", "ClientStats", "PolarKVClient", "checksum", "chunk_keys"]
+__all__ = [
+    "AdminClient",
+    "AsyncPolarKVClient",
+    "CallerError",
+    "ClientStats",
+    "PolarKVClient",
+    "checksum",
+    "chunk_keys",
+]

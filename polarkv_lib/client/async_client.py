@@ -25,19 +25,21 @@ from typing import Any, TypeVar
 import xxhash
 
 from polarkv_lib.client.breaker import CircuitBreaker
-from polarkv_lib.client.control import ControlClient
+from polarkv_lib.client.sharded import control_for
+from polarkv_lib.config import ClientConfig, Config
 from polarkv_lib.errors import NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.keys import check_key, chunk_keys
+from polarkv_lib.shards import split_urls
+from polarkv_lib.transport import PREFERENCES, open_transports, pick
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
-from polarkv_lib.transport.shm import ShmTransport
-from polarkv_lib.transport.tcp import TcpTransport
 from polarkv_lib.wire.control import MAX_WAIT
 
 # stdlib logging, not structlog: the client lives inside engines, which own log config.
 log = logging.getLogger("polarkv.client")
 
 T = TypeVar("T")
-TRANSPORTS = ("auto", "tcp", "shm")
+TRANSPORTS = PREFERENCES  # auto, tcp, shm, rdma
+TIERED_TTL = 30.0  # seconds a "has a disk tier" answer is reused
 BufferLike = bytes | bytearray | memoryview
 
 
@@ -81,39 +83,53 @@ def _region(entry: dict[str, Any], nodes: dict[str, NodeTarget]) -> Region:
                   bytes.fromhex(entry["grant"]))
 
 
+DEFAULTS = ClientConfig()  # the one place client defaults are written
+
+
 class AsyncPolarKVClient:
-    def __init__(self, manager_url: str = "http://127.0.0.1:8170", namespace: str = "",
-                 chunk_tokens: int = 256, token: str | None = None, transport: str = "auto",
-                 timeout: float = 2.0, connections: int = 4, window: int = 64,
-                 breaker_interval: float = 1.0) -> None:
-        if not isinstance(manager_url, str) or not manager_url.startswith(("http://", "https://")):
-            raise ValueError(f"manager_url must be an http(s) URL, got {manager_url!r}")
+    def __init__(self, manager_url: str = DEFAULTS.manager_url, namespace: str = "",
+                 chunk_tokens: int = DEFAULTS.chunk_tokens, token: str | None = None,
+                 transport: str = DEFAULTS.transport, timeout: float = DEFAULTS.timeout,
+                 connections: int = DEFAULTS.connections, window: int = DEFAULTS.window,
+                 breaker_interval: float = DEFAULTS.breaker_interval) -> None:
+        try:  # one URL, or one per manager shard in shard order (comma separated)
+            split_urls(manager_url)
+        except (ValueError, TypeError, AttributeError):
+            raise ValueError(f"manager_url must be http(s) URLs, one per shard, got {manager_url!r}") from None
         if not isinstance(namespace, str):
             raise TypeError("namespace must be a str")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError("chunk_tokens must be a positive int")
         if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}"
-                             + (" (rdma is not built into this version)" if transport == "rdma" else ""))
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}")
         if not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError("timeout must be a positive number of seconds")
         if connections < 1 or window < 1:
             raise ValueError("connections and window must be >= 1")
+        # First: an explicit rdma without a usable device raises here (RdmaUnavailable,
+        # naming the reason) before anything else is opened; auto falls back to tcp.
+        self._transports = open_transports(transport, connections)
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.timeout = float(timeout)
         self.window = window
         self._connections = connections
         self.stats = ClientStats()
-        self._control = ControlClient(manager_url, token, breaker_interval)
+        self._control = control_for(manager_url, token, breaker_interval)
         self._breaker_interval = breaker_interval
         self._slab_breakers: dict[str, CircuitBreaker] = {}
-        self._tcp = TcpTransport(max_idle_per_node=connections)
-        self._shm = ShmTransport() if transport in ("auto", "shm") else None
-        self._preference = transport
         self._pool = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="polarkv-xfer")
-        self._background: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._tiered_at = -TIERED_TTL - 1.0
+        self._tiered_value = False
         self._closed = False
+
+    @classmethod
+    def from_config(cls, config: Config | ClientConfig, namespace: str = "",
+                    token: str | None = None) -> AsyncPolarKVClient:
+        """A client with the `[client]` settings of a config; with a whole Config, the
+        token defaults to `security.token`."""
+        return cls(namespace=namespace, **client_kwargs(config, token))
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -127,15 +143,15 @@ class AsyncPolarKVClient:
         if self._closed:
             return
         self._closed = True
-        if self._background:
-            await asyncio.wait(self._background, timeout=self.timeout)
-        for task in self._background:
+        if self._pending:
+            await asyncio.wait(self._pending, timeout=self.timeout)
+        for task in self._pending:
             task.cancel()
         await self._control.close()
-        self._pool.shutdown(wait=True)
-        self._tcp.close()
-        if self._shm is not None:
-            self._shm.close()
+        # Transfers end by their deadlines; waiting for the threads must not hold the loop.
+        await asyncio.to_thread(self._pool.shutdown, True)
+        for transport in self._transports:
+            transport.close()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
@@ -240,7 +256,7 @@ class AsyncPolarKVClient:
             raise
         except (PolarKVError, TimeoutError) as exc:
             self.stats.faults += 1
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, TimeoutError | OperationTimeout):
                 self.stats.timeouts += 1
             log.debug("operation became a miss: %s", str(exc) or type(exc).__name__)
             return miss
@@ -250,11 +266,7 @@ class AsyncPolarKVClient:
             return miss
 
     def _transport_for(self, node: NodeTarget) -> Transport | None:
-        if self._shm is not None and self._shm.usable(node):
-            return self._shm
-        if self._preference != "shm" and self._tcp.usable(node):
-            return self._tcp
-        return None
+        return pick(self._transports, node)
 
     async def _transfer(self, write: bool, moves: Sequence[tuple[Region, memoryview]],
                         deadline: float) -> list[str | None]:
@@ -305,17 +317,17 @@ class AsyncPolarKVClient:
             log.debug("transfer with %s failed: %s", region.node.node_id, exc)
             return None
 
-    def _background_post(self, path: str, body: dict[str, Any]) -> None:
+    def _background(self, call: Awaitable[None], what: str) -> None:
         """Fire a release/abort without making the caller wait; tracked, awaited on close."""
         async def send() -> None:
             try:
-                await self._control.post(path, body, time.monotonic() + self.timeout)
+                await call
             except PolarKVError as exc:
-                log.debug("background %s failed: %s", path, exc)
+                log.debug("background %s failed: %s", what, exc)
 
         task = asyncio.get_running_loop().create_task(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     @staticmethod
     def _server_wait(deadline: float) -> float:
@@ -327,39 +339,60 @@ class AsyncPolarKVClient:
     async def _store(self, keys: list[str], views: list[memoryview]) -> int:
         deadline = time.monotonic() + self.timeout
         stored = 0
-        for start in range(0, len(keys), self.window):
-            part = range(start, min(start + self.window, len(keys)))
-            reply = await self._control.post("/v1/allocate", {
-                "items": [{"key": keys[i], "size": len(views[i])} for i in part],
-                "wait": self._server_wait(deadline)}, deadline)
+        todo = list(range(len(keys)))
+        while todo:
+            part = todo[: self.window]
+            reply = await self._control.allocate([(keys[i], len(views[i])) for i in part], deadline,
+                                                 self._server_wait(deadline))
             nodes = _nodes(reply)
             writes: list[tuple[int, Region]] = []
+            no_space: list[int] = []
             for i, res in zip(part, reply["results"], strict=True):
                 if res["status"] == "exists":
                     stored += 1
                 elif res["status"] == "allocated":
                     writes.append((i, _region(res, nodes)))
-            if not writes:
-                continue
-            sums = await self._transfer(True, [(r, views[i]) for i, r in writes], deadline)
-            ok = [(i, s) for (i, _), s in zip(writes, sums, strict=True) if s is not None]
-            failed = [keys[i] for (i, _), s in zip(writes, sums, strict=True) if s is None]
-            lease = reply["lease"]
-            if failed:
-                self._background_post("/v1/abort", {"lease": lease, "keys": failed})
-            if ok:
-                committed = await self._control.post("/v1/commit", {
-                    "lease": lease, "items": [{"key": keys[i], "checksum": s} for i, s in ok]}, deadline)
-                stored += sum(1 for s in committed["results"].values() if s == "committed")
+                elif res["status"] == "no_space":
+                    no_space.append(i)
+            committed = await self._write_window(keys, views, writes, reply["lease"], deadline)
+            stored += committed
+            # A full memory tier refuses part of a window. With a disk tier, what this
+            # round committed can now be offloaded to make room, so the refused keys are
+            # asked for again (the manager waits for the room); a round that committed
+            # nothing ends it. Without one, room would come from evicting the least
+            # recently used entries — this prompt's own head: the head stays stored.
+            retry = bool(no_space) and committed > 0 and await self._tiered(deadline)
+            todo = (no_space if retry else []) + todo[len(part):]
         return stored
+
+    async def _tiered(self, deadline: float) -> bool:
+        now = time.monotonic()
+        if now - self._tiered_at > TIERED_TTL:
+            self._tiered_value = await self._control.tiered(deadline)
+            self._tiered_at = now
+        return self._tiered_value
+
+    async def _write_window(self, keys: list[str], views: list[memoryview],
+                            writes: list[tuple[int, Region]], lease: str | None, deadline: float) -> int:
+        """Write the allocated regions, commit what arrived whole; how many committed."""
+        if not writes or lease is None:
+            return 0
+        sums = await self._transfer(True, [(r, views[i]) for i, r in writes], deadline)
+        ok = [(keys[i], s) for (i, _), s in zip(writes, sums, strict=True) if s is not None]
+        failed = [keys[i] for (i, _), s in zip(writes, sums, strict=True) if s is None]
+        if failed:
+            self._background(self._control.abort(lease, failed, time.monotonic() + self.timeout), "abort")
+        if not ok:
+            return 0
+        results = await self._control.commit(lease, ok, deadline)
+        return sum(1 for s in results.values() if s == "committed")
 
     async def _load(self, keys: list[str], targets: list[memoryview] | None) -> list[memoryview]:
         deadline = time.monotonic() + self.timeout
         loaded: list[memoryview] = []
         for start in range(0, len(keys), self.window):
             part = keys[start: start + self.window]
-            reply = await self._control.post("/v1/lookup", {"keys": part, "wait": self._server_wait(deadline)},
-                                             deadline)
+            reply = await self._control.lookup(part, deadline, wait=self._server_wait(deadline))
             entries = reply["entries"]
             if not entries:
                 break
@@ -367,7 +400,8 @@ class AsyncPolarKVClient:
             try:
                 good, corrupt = await self._read_window(start, entries, _nodes(reply), targets, deadline)
             finally:
-                self._background_post("/v1/release", {"leases": [reply["lease"]], "corrupt": corrupt})
+                self._background(self._control.release([reply["lease"]], time.monotonic() + self.timeout,
+                                                       corrupt), "release")
             loaded.extend(good)
             if len(good) < len(part):
                 break
@@ -403,8 +437,20 @@ class AsyncPolarKVClient:
         hits = 0
         for start in range(0, len(keys), self.window):
             part = keys[start: start + self.window]
-            reply = await self._control.post("/v1/lookup", {"keys": part, "lease": False}, deadline)
+            reply = await self._control.lookup(part, deadline, lease=False)
             hits += int(reply["hits"])
             if reply["hits"] < len(part):
                 break
         return hits
+
+
+def client_kwargs(config: Config | ClientConfig, token: str | None) -> dict[str, Any]:
+    """A client's keyword arguments from the `[client]` section of a config, and the
+    token: the one given, else the config's `security.token` (a whole Config only)."""
+    if isinstance(config, Config):
+        token = token if token is not None else (config.security.token or None)
+        config = config.client
+    c = config
+    return {"manager_url": c.manager_url, "chunk_tokens": c.chunk_tokens, "token": token,
+            "transport": c.transport, "timeout": c.timeout, "connections": c.connections,
+            "window": c.window, "breaker_interval": c.breaker_interval}

@@ -26,8 +26,10 @@ class CircuitBreaker:
 
     def check(self) -> None:
         if self.is_open:
-            raise NetworkError(f"{self.name} did not answer recently; next try in "
-                               f"{self._open_until - time.monotonic():.2f}s")
+            raise NetworkError(
+                f"{self.name} did not answer recently; next try in "
+                f"{self._open_until - time.monotonic():.2f}s"
+            )
 
     def failure(self) -> None:
         if not self.is_open:

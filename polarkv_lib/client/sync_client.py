@@ -14,24 +14,57 @@ import warnings
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from polarkv_lib.client.async_client import AsyncPolarKVClient, BufferLike, ClientStats
+from polarkv_lib.client.async_client import (
+    DEFAULTS,
+    AsyncPolarKVClient,
+    BufferLike,
+    ClientStats,
+    client_kwargs,
+)
+from polarkv_lib.config import ClientConfig, Config
 
 T = TypeVar("T")
 
 
 class PolarKVClient:
-    def __init__(self, manager_url: str = "http://127.0.0.1:8170", namespace: str = "",
-                 chunk_tokens: int = 256, token: str | None = None, transport: str = "auto",
-                 timeout: float = 2.0, connections: int = 4, window: int = 64,
-                 breaker_interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        manager_url: str = DEFAULTS.manager_url,
+        namespace: str = "",
+        chunk_tokens: int = DEFAULTS.chunk_tokens,
+        token: str | None = None,
+        transport: str = DEFAULTS.transport,
+        timeout: float = DEFAULTS.timeout,
+        connections: int = DEFAULTS.connections,
+        window: int = DEFAULTS.window,
+        breaker_interval: float = DEFAULTS.breaker_interval,
+    ) -> None:
         # Validate in the caller's thread so mistakes raise here, before a thread starts.
-        self._client = AsyncPolarKVClient(manager_url, namespace, chunk_tokens, token, transport,
-                                          timeout, connections, window, breaker_interval)
+        self._client = AsyncPolarKVClient(
+            manager_url,
+            namespace,
+            chunk_tokens,
+            token,
+            transport,
+            timeout,
+            connections,
+            window,
+            breaker_interval,
+        )
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="polarkv-client",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="polarkv-client", daemon=True
+        )
         self._thread.start()
         self._closed = False
+
+    @classmethod
+    def from_config(
+        cls, config: Config | ClientConfig, namespace: str = "", token: str | None = None
+    ) -> PolarKVClient:
+        """A client with the `[client]` settings of a config; with a whole Config, the
+        token defaults to `security.token`."""
+        return cls(namespace=namespace, **client_kwargs(config, token))
 
     @property
     def namespace(self) -> str:
@@ -66,7 +99,9 @@ class PolarKVClient:
     def store_kv(self, tokens: Any, chunks: Sequence[BufferLike]) -> int:
         return self._run(self._client.store_kv(tokens, chunks), 0)
 
-    def load_kv(self, tokens: Any, out: Sequence[BufferLike] | None = None) -> tuple[int, list[memoryview]]:
+    def load_kv(
+        self, tokens: Any, out: Sequence[BufferLike] | None = None
+    ) -> tuple[int, list[memoryview]]:
         return self._run(self._client.load_kv(tokens, out), (0, []))
 
     def lookup_kv(self, tokens: Any) -> int:
@@ -84,7 +119,9 @@ class PolarKVClient:
     def put_many(self, keys: Sequence[str], values: Sequence[BufferLike]) -> int:
         return self._run(self._client.put_many(keys, values), 0)
 
-    def get_many(self, keys: Sequence[str], out: Sequence[BufferLike] | None = None) -> list[memoryview]:
+    def get_many(
+        self, keys: Sequence[str], out: Sequence[BufferLike] | None = None
+    ) -> list[memoryview]:
         return self._run(self._client.get_many(keys, out), [])
 
     def close(self) -> None:
@@ -92,7 +129,8 @@ class PolarKVClient:
             return
         try:
             asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(
-                self._client.timeout + 5.0)
+                self._client.timeout + 5.0
+            )
         finally:
             self._closed = True
             self._loop.call_soon_threadsafe(self._loop.stop)

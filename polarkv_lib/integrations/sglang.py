@@ -49,7 +49,13 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
 from polarkv_lib.client import PolarKVClient
-from polarkv_lib.integrations.common import make_client, namespace, settings_from_extra
+from polarkv_lib.integrations.common import (
+    call_or_miss,
+    fault_is_miss,
+    make_client,
+    namespace,
+    settings_from_extra,
+)
 
 log = logging.getLogger("polarkv.sglang")
 
@@ -68,11 +74,7 @@ class KeyedIO:
         self.client = client
 
     def _call(self, what: str, call: Callable[[], T], miss: T) -> T:
-        try:
-            return call()
-        except Exception as exc:  # closed client, backstop timeout: a miss all the same
-            log.warning("PolarKV %s became a miss: %r", what, exc)
-            return miss
+        return call_or_miss(log, what, call, miss)
 
     def count(self, keys: list[str]) -> int:
         """How many leading keys are stored (no lease, no transfer)."""
@@ -111,6 +113,10 @@ class KeyedIO:
         """The leading stored keys' values, whatever their size."""
         miss: list[memoryview] = []
         return [bytes(v) for v in self._call("load", lambda: self.client.get_many(keys), miss)]
+
+
+def _no_pages(_self: object, keys: list[str], *_: object, **__: object) -> list[bool]:
+    return [False] * len(keys)
 
 
 def _by_bytes(sizes: list[int]) -> list[range]:
@@ -242,16 +248,13 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
+    @fault_is_miss(log, lambda *_, **__: 0)
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The number of leading pages stored whole."""
-        try:
-            if not keys or not self._usable:
-                return 0
-            per_page = self._page_objects if self.interface_v1 else 1
-            return self._io.count(self.page_keys(keys)) // per_page
-        except Exception as exc:
-            log.warning("PolarKV batch_exists became a miss: %r", exc)
+        if not keys or not self._usable:
             return 0
+        per_page = self._page_objects if self.interface_v1 else 1
+        return self._io.count(self.page_keys(keys)) // per_page
 
     # -- generic interface: one flat page tensor per key ---------------------------------
 
@@ -259,61 +262,55 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
         targets = None if target_location is None else [target_location]
         return self.batch_get([key], targets)[0]
 
+    @fault_is_miss(log, lambda _self, keys, *_, **__: [None] * len(keys))
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[Any]:
         """Tensors for the leading stored pages, None from the first miss on. Each lands
         in its target tensor (in place when that is contiguous CPU memory), or in a fresh
         flat page of the host pool, or, with neither, in a uint8 tensor."""
         misses: list[Any] = [None] * len(keys)
-        try:
-            if not keys or not self._usable:
-                return misses
-            pkeys = self.flat_keys(keys)
-            if target_locations is None and self.mem_pool_host is not None:
-                target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-            if target_locations is None:
-                values = self._io.read_any(pkeys)
-                return [torch.frombuffer(bytearray(v), dtype=torch.uint8) for v in values] \
-                    + misses[len(values):]
-            targets = list(target_locations)
-            if len(targets) != len(keys):
-                raise ValueError(f"{len(keys)} keys, {len(targets)} target locations")
-            buffers: list[memoryview] = []
-            staged: list[bool] = []
-            for t in targets:
-                direct = t.device.type == "cpu" and t.is_contiguous()
-                staged.append(not direct)
-                buffers.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if direct
-                               else memoryview(bytearray(t.numel() * t.element_size())))
-            n = self._io.read(pkeys, buffers)
-            out: list[Any] = []
-            for t, buf, copy in zip(targets[:n], buffers[:n], staged[:n], strict=True):
-                if copy:  # not CPU-contiguous: read aside, then one copy into place
-                    t.copy_(torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape))
-                out.append(t)
-            return out + misses[n:]
-        except Exception as exc:
-            log.warning("PolarKV batch_get became a miss: %r", exc)
+        if not keys or not self._usable:
             return misses
+        pkeys = self.flat_keys(keys)
+        if target_locations is None and self.mem_pool_host is not None:
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        if target_locations is None:
+            values = self._io.read_any(pkeys)
+            return [torch.frombuffer(bytearray(v), dtype=torch.uint8) for v in values] \
+                + misses[len(values):]
+        targets = list(target_locations)
+        if len(targets) != len(keys):
+            raise ValueError(f"{len(keys)} keys, {len(targets)} target locations")
+        buffers: list[memoryview] = []
+        staged: list[bool] = []
+        for t in targets:
+            direct = t.device.type == "cpu" and t.is_contiguous()
+            staged.append(not direct)
+            buffers.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if direct
+                           else memoryview(bytearray(t.numel() * t.element_size())))
+        n = self._io.read(pkeys, buffers)
+        out: list[Any] = []
+        for t, buf, copy in zip(targets[:n], buffers[:n], staged[:n], strict=True):
+            if copy:  # not CPU-contiguous: read aside, then one copy into place
+                t.copy_(torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).reshape(t.shape))
+            out.append(t)
+        return out + misses[n:]
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
 
+    @fault_is_miss(log, lambda *_, **__: False)
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         """Store each page tensor's bytes; True only if every page is now stored."""
-        try:
-            if not keys or values is None or not self._usable:
-                return False
-            values = list(values)
-            if len(values) != len(keys):
-                raise ValueError(f"{len(keys)} keys, {len(values)} values")
-            views = [_tensor_bytes(v) for v in values]
-            return self._io.write(self.flat_keys(keys), views) == len(keys)
-        except Exception as exc:
-            log.warning("PolarKV batch_set failed: %r", exc)
+        if not keys or values is None or not self._usable:
             return False
+        values = list(values)
+        if len(values) != len(keys):
+            raise ValueError(f"{len(keys)} keys, {len(values)} values")
+        views = [_tensor_bytes(v) for v in values]
+        return self._io.write(self.flat_keys(keys), views) == len(keys)
 
     # -- zero-copy interface: the host pool's own page buffers ---------------------------
 
@@ -330,33 +327,25 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
                              f"of {self._page_objects}")
         return [_host_view(int(p), int(s)) for p, s in zip(ptrs, sizes, strict=True)]
 
+    @fault_is_miss(log, _no_pages)
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Read pages straight into their host-pool buffers; True for the leading pages
         read whole."""
-        try:
-            if not keys:
-                return []
-            buffers = self._page_buffers(keys, host_indices)
-            pages = self._io.read(self.v1_keys(keys), buffers) // self._page_objects
-        except Exception as exc:
-            log.warning("PolarKV batch_get_v1 became a miss: %r", exc)
-            pages = 0
+        buffers = self._page_buffers(keys, host_indices) if keys else []
+        pages = self._io.read(self.v1_keys(keys), buffers) // self._page_objects if keys else 0
         return [i < pages for i in range(len(keys))]
 
+    @fault_is_miss(log, _no_pages)
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Write pages straight from their host-pool buffers. Pages already stored are not
         written again. True for each page known stored whole."""
-        try:
-            if not keys:
-                return []
-            pkeys = self.v1_keys(keys)
-            stored = self._io.write(pkeys, self._page_buffers(keys, host_indices))
-            if stored == len(pkeys):
-                return [True] * len(keys)
-            pages = self._io.count(pkeys) // self._page_objects  # which pages made it
-        except Exception as exc:
-            log.warning("PolarKV batch_set_v1 failed: %r", exc)
-            pages = 0
+        if not keys:
+            return []
+        pkeys = self.v1_keys(keys)
+        stored = self._io.write(pkeys, self._page_buffers(keys, host_indices))
+        if stored == len(pkeys):
+            return [True] * len(keys)
+        pages = self._io.count(pkeys) // self._page_objects  # which pages made it
         return [i < pages for i in range(len(keys))]
 
     # -- v2 (hybrid models' side pools: Mamba, SWA, DSA...): not supported, always a miss ---
@@ -390,8 +379,6 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
     def get_stats(self) -> None:
         return None
 
+    @fault_is_miss(log, lambda *_, **__: None)
     def close(self) -> None:
-        try:
-            self._client.close()
-        except Exception as exc:
-            log.warning("closing the PolarKV client: %r", exc)
+        self._client.close()

@@ -1,82 +1,19 @@
-"""vLLM (0.33, v1 engine) integration: `PolarKVConnector`, a KVConnectorBase_V1.
+"""vLLM (v1 engine) integration: `PolarKVConnector`, a KVConnectorBase_V1, for vLLM 0.32
+(the CPU build, served end to end in the tests) and 0.33.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "PolarKVConnector",
         "kv_connector_module_path": "polarkv_lib.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"manager_url": "http://127.0.0.1:8170"}}'
 
-Extra-config keys are those of `integrations.common` (`manager_url` required; `token`,
-`transport`, `timeout`, `chunk_tokens`, `namespace`, `connections`). With vLLM's default
-`kv_load_failure_policy` ("fail") a chunk that cannot be loaded fails its request, so
-use "recompute": then a failed load is recomputed like a miss (a warning says so).
-
-Chunks. PolarKV caches full chunks of a prompt's tokens, keyed by its own chained keys
-(`polarkv_lib.keys`: token ids + namespace), never by vLLM's block hashes, which are
-seeded per process. `chunk_tokens` is a multiple of the KV block size: by default the
-smallest one >= 256, or the extra config's value (ValueError if not a multiple). Only
-prompt tokens are cached, never a partial chunk, nor the prompt's last token (vLLM must
-compute at least one token). Requests with multimodal inputs, prompt embeddings, a LoRA
-adapter or a cache salt are left alone: their KV is not a function of the token ids.
-
-Namespace (`common.namespace`): "vllm", the chunk format version, model, KV dtype (and
-`cache_dtype` when quantized), the resolved `KVCacheLayout`, the page geometry (block
-size, heads, content bytes), the platform's device type, TP rank/size, PP rank/size and
-`chunk_tokens`. The device type is there because attention backends give the same page
-bytes different meanings: the CPU backend splits a page's rows into K rows then V rows,
-the CUDA backends put K then V in each row; sharing a namespace means sharing a
-convention. The scheduler looks up rank 0's keys (its namespace is TP 0 / PP 0); every
-rank loads its own, and a rank that misses reports its blocks as failed.
-
-Chunk bytes (format "pages-v1"). vLLM 0.33 hands connectors one logical view per layer,
-[blocks, H, N, C] (C = the page cell, e.g. K and V of one head and token, in the KV
-dtype), in any physical `KVCacheLayout` (LBNHC/NHD, LBHNC/HND, LHBNC, BLNHC, BLHNC,
-BHLNC): the chunk is gathered through that logical view, so its bytes do not depend on
-the physical layout. For chunk i (tokens [i*T, (i+1)*T), T = chunk_tokens, bs = block
-size) the bytes are, in C order:
-
-    for layer in the group's layers, in natural order of their names:
-        for block j in the chunk's T // bs blocks, in token order:
-            page[H][bs][C * itemsize]           # raw bytes of the logical view
-
-A layer of kernel blocks smaller than a manager block ([blocks * r, H, bs / r, C]) is
-put back in manager-block token order first, and the older K/V-stacked per-layer
-shapes, [2, blocks, bs, H, D] and [blocks, 2, bs, H, D] (and [blocks, bs, C] for MLA),
-are written as [H][bs][K D | V D], the CUDA backends' cell. Any worker of the same
-namespace scatters it back by the same rule. Chunk size = layers * T * H * C * itemsize.
-
-When transfers happen.
-- Loads are synchronous: `get_num_new_matched_tokens` returns (hits, False), so vLLM
-  runs `start_load_kv` before the step's forward pass; it loads the chunks into a host
-  buffer (one `load_kv` per request, zero-copy into the buffer) and scatters them into
-  the request's newly allocated blocks (never into blocks it shares from vLLM's local
-  prefix cache; `load_kv` reads from chunk 0, so chunks wholly inside that local hit
-  are read but not written). Chunks that did not arrive (deleted, evicted, slab gone,
-  checksum failure) leave their blocks untouched and are reported by
-  `get_block_ids_with_load_errors`, so vLLM recomputes from the first of them.
-- Saves never wait on the network: in `wait_for_save`, after the step's forward pass
-  (the step in which a chunk's last token is computed), the newly complete chunks are
-  gathered from the paged cache into a host buffer; a background thread stores them
-  (`store_kv` when they start at chunk 0, else one `put` per chunk under the chunk's key,
-  since `store_kv` always starts at chunk 0) while the engine goes on. Pending saves are
-  bounded in bytes; beyond that a save is dropped (a later miss, never a stall). A
-  request whose load failed in a step saves nothing in that step (its KV was computed
-  on a wrong prefix), and its chunks from the failed one on are saved again once vLLM
-  has recomputed them.
-
-A missing or unreachable PolarKV makes every lookup a miss and every save a no-op; the
-client never raises for it. The scheduler's lookups wait at most min(timeout, 0.5 s),
-and the client's circuit breaker makes repeated faults instant. Configuration mistakes
-(bad extra config, an unsupported cache tensor shape) raise when the engine starts.
-Models whose KV cache is not one group of attention layers (hybrid/Mamba), and decode
-or prefill context parallelism, disable the connector with a warning.
+docs/ENGINES.md describes it: settings, chunks, namespace, the chunk byte format
+("pages-v1"), when transfers happen, and what a fault does (always a miss).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import threading
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -95,13 +32,13 @@ from polarkv_lib.integrations.common import (
     namespace,
     settings_from_extra,
 )
+from polarkv_lib.integrations.vllm_pages import PageGeometry, Saver, page_view
 
 log = logging.getLogger("polarkv.integrations.vllm")
 
 CHUNK_FORMAT = "pages-v1"
 MIN_DEFAULT_CHUNK_TOKENS = 256
 SCHEDULER_LOOKUP_TIMEOUT = 0.5  # seconds: the scheduler loop is single-threaded
-MAX_PENDING_SAVE_BYTES = 1 << 30
 
 
 # -- metadata: scheduler -> workers ------------------------------------------------------
@@ -149,23 +86,11 @@ class ConnectorStats:
 
 # -- geometry and namespace (both roles, from the config alone) ---------------------------
 
-@dataclass(frozen=True)
-class _Geometry:
-    block_size: int
-    num_heads: int
-    content_bytes: int  # C of the logical [blocks, H, N, C] view, in bytes
-    layers: tuple[str, ...]
-
-    @property
-    def page_bytes(self) -> int:
-        return self.num_heads * self.block_size * self.content_bytes
-
-
 def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def _geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[_Geometry | None, str]:
+def _geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[PageGeometry | None, str]:
     """The page geometry, or None and why the connector cannot serve this model."""
     parallel = vllm_config.parallel_config
     if getattr(parallel, "decode_context_parallel_size", 1) > 1 or \
@@ -179,9 +104,9 @@ def _geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[_Geometry | None,
         return None, f"KV cache spec {type(spec).__name__} is not attention"
     if spec.tokens_per_state != 1:
         return None, "compressed KV (tokens_per_state != 1)"
-    return _Geometry(block_size=int(spec.block_size), num_heads=int(spec.num_heads),
-                     content_bytes=int(spec.state_content_size_bytes),
-                     layers=tuple(sorted(groups[0].layer_names, key=_natural_key))), ""
+    return PageGeometry(block_size=int(spec.block_size), num_heads=int(spec.num_heads),
+                        content_bytes=int(spec.state_content_size_bytes),
+                        layers=tuple(sorted(groups[0].layer_names, key=_natural_key))), ""
 
 
 def _chunk_tokens(settings: AdapterSettings, block_size: int) -> int:
@@ -212,7 +137,7 @@ def _parallel_ranks(vllm_config: Any, role: Any) -> tuple[int, int, int, int]:
 
 
 def _namespace(settings: AdapterSettings, vllm_config: Any, kv_cache_config: Any,
-               geometry: _Geometry, chunk_tokens: int, role: Any) -> str:
+               geometry: PageGeometry, chunk_tokens: int, role: Any) -> str:
     from vllm.platforms import current_platform
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -227,108 +152,6 @@ def _namespace(settings: AdapterSettings, vllm_config: Any, kv_cache_config: Any
                      f"b{geometry.block_size}-h{geometry.num_heads}-c{geometry.content_bytes}",
                      current_platform.device_type, f"tp{tp_rank}of{tp}", f"pp{pp_rank}of{pp}",
                      f"chunk{chunk_tokens}")
-
-
-# -- worker side: pages of the paged KV cache ---------------------------------------------
-
-def _page_view(cache: Any, geometry: _Geometry) -> Any:
-    """A uint8 view of one layer's cache, [manager blocks, ...], whose trailing dims, read
-    in C order, are the page bytes of the chunk format. Raises ValueError if unknown."""
-    bs, heads, content = geometry.block_size, geometry.num_heads, geometry.content_bytes
-    shape = tuple(cache.shape)
-    if cache.dim() == 3:  # [blocks, N, C] (MLA before 0.33): one head slot
-        cache, shape = cache.unsqueeze(1), (shape[0], 1, *shape[1:])
-    if cache.stride(-1) != 1:
-        raise ValueError(f"PolarKV: KV cache with a strided last dim {tuple(cache.stride())}")
-    u8 = cache.view(torch.uint8)
-    if cache.dim() == 4:  # [blocks * r, H, bs / r, C]: the 0.33 logical view
-        blocks, h, n, c = u8.shape
-        if h == heads and c == content and n and bs % n == 0 and blocks % (bs // n) == 0:
-            ratio = bs // n
-            return u8.unflatten(0, (blocks // ratio, ratio)).permute(0, 2, 1, 3, 4)
-    elif cache.dim() == 5:  # K/V stacked: [2, blocks, bs, H, D] or [blocks, 2, bs, H, D]
-        for kv_dim, order in ((0, (1, 3, 2, 0, 4)), (1, (0, 3, 2, 1, 4))):
-            if u8.shape[kv_dim] == 2 and u8.shape[2:4] == (bs, heads) and 2 * u8.shape[4] == content:
-                return u8.permute(*order)
-    raise ValueError(f"PolarKV: unsupported KV cache shape {shape} (dtype {cache.dtype}) for "
-                     f"block size {bs}, {heads} KV heads and {content}-byte cells")
-
-
-class _Saver:
-    """One background thread that stores gathered chunks, so saves never wait on the
-    network in the engine's step. Bounded in pending bytes: beyond the bound a save is
-    dropped (the caller counts it)."""
-
-    def __init__(self, client: PolarKVClient, stats: ConnectorStats,
-                 max_pending_bytes: int = MAX_PENDING_SAVE_BYTES) -> None:
-        self._client = client
-        self._stats = stats
-        self._max = max_pending_bytes
-        self._queue: deque[tuple[SaveOp, Any, Any]] = deque()
-        self._pending_bytes = 0
-        self._busy = False
-        self._closing = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="polarkv-vllm-saver", daemon=True)
-        self._thread.start()
-
-    def submit(self, op: SaveOp, host: Any, ready: Any) -> bool:
-        """host: uint8 [chunks, chunk bytes] on the CPU; ready: None or an event to wait
-        on before reading it (a device-to-host copy in flight)."""
-        size = int(host.numel())
-        with self._cond:
-            if self._closing or (self._pending_bytes and self._pending_bytes + size > self._max):
-                return False
-            self._queue.append((op, host, ready))
-            self._pending_bytes += size
-            self._cond.notify_all()
-        return True
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted save is done; False if `timeout` ran out first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
-
-    def close(self, timeout: float) -> None:
-        self.flush(timeout)
-        with self._cond:
-            self._closing = True
-            self._queue.clear()
-            self._cond.notify_all()
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
-                if self._closing:
-                    return
-                op, host, ready = self._queue.popleft()
-                self._busy = True
-            try:
-                self._store(op, host, ready)
-            except Exception as exc:  # never let a save take the thread down
-                self._stats.failed_saves += 1
-                log.warning("PolarKV save of request %s failed: %r", op.req_id, exc)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._pending_bytes -= int(host.numel())
-                    self._cond.notify_all()
-
-    def _store(self, op: SaveOp, host: Any, ready: Any) -> None:
-        if ready is not None:
-            ready.synchronize()
-        data = host.numpy()
-        chunks = [memoryview(data[i]) for i in range(data.shape[0])]
-        if op.first_chunk == 0:
-            stored = self._client.store_kv(op.tokens, chunks)
-        else:
-            keys = self._client.keys(op.tokens)[op.first_chunk:]
-            stored = sum(self._client.put(key, chunk) for key, chunk in zip(keys, chunks, strict=True))
-        self._stats.saved_chunks += stored
-        if stored < len(chunks):
-            self._stats.failed_saves += 1
 
 
 # -- the connector -------------------------------------------------------------------------
@@ -354,7 +177,7 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         geometry, why = _geometry(vllm_config, kv_cache_config)
         self._geometry = geometry
         self._client: PolarKVClient | None = None
-        self._saver: _Saver | None = None
+        self._saver: Saver | None = None
         self.chunk_tokens = 0
         self.namespace = ""
         # scheduler side
@@ -528,10 +351,10 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         missing = [name for name in self._geometry.layers if name not in kv_caches]
         if missing:
             raise ValueError(f"PolarKV: no KV cache registered for layers {missing[:3]}")
-        self._pages = [_page_view(kv_caches[name], self._geometry) for name in self._geometry.layers]
+        self._pages = [page_view(kv_caches[name], self._geometry) for name in self._geometry.layers]
         self._device = kv_caches[self._geometry.layers[0]].device
         if self._client is not None and self._saver is None:
-            self._saver = _Saver(self._client, self.stats)
+            self._saver = Saver(self._client, self.stats)
 
     @property
     def chunk_bytes(self) -> int:

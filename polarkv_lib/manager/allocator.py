@@ -24,15 +24,20 @@ def size_class(size: int) -> int:
 
 
 class Allocator:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, base: int = 0) -> None:
+        """Manage [base, base+capacity) of a buffer: a sharded manager owns one arena of
+        each slab (manager/shard.py), and offsets stay the buffer's own."""
+        if base % PAGE:
+            raise ValueError(f"an arena starts on a page, not at {base}")
         self.capacity = capacity // PAGE * PAGE
         self.used = 0
         self._start: dict[int, int] = {}  # free extent start -> length
         self._end: dict[int, int] = {}  # free extent end -> start
         self._bins: dict[int, set[int]] = {}  # length.bit_length() -> starts
         self._live: dict[int, int] = {}  # allocated start -> length: frees must match one
+        self._hint = base  # where the next in-order reserve will look first
         if self.capacity:
-            self._add(0, self.capacity)
+            self._add(base, self.capacity)
 
     @property
     def free(self) -> int:
@@ -81,7 +86,7 @@ class Allocator:
         False if any of it is not free."""
         if length <= 0 or offset % PAGE or length % PAGE:
             return False
-        start = next((s for s, n in self._start.items() if s <= offset and offset + length <= s + n), None)
+        start = self._containing(offset, length)
         if start is None:
             return False
         total = self._remove(start)
@@ -89,9 +94,19 @@ class Allocator:
             self._add(start, offset - start)
         if start + total > offset + length:
             self._add(offset + length, start + total - offset - length)
+            self._hint = offset + length
         self.used += length
         self._live[offset] = length
         return True
+
+    def _containing(self, offset: int, length: int) -> int | None:
+        """The free extent that holds [offset, offset+length). Reserving in address order
+        (a restore) always finds it at the hint, the rest left by the previous reserve;
+        anything else is a scan of the free extents."""
+        n = self._start.get(self._hint)
+        if n is not None and self._hint <= offset and offset + length <= self._hint + n:
+            return self._hint
+        return next((s for s, n in self._start.items() if s <= offset and offset + length <= s + n), None)
 
     def release(self, offset: int, length: int) -> None:
         if self._live.get(offset) != length:

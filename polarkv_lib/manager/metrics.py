@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from polarkv_lib.manager.views import STATS_KEYS
+
 Source = str | dict[str, str]  # a stats key, or {label value: stats key}
 _COUNTERS: dict[str, tuple[str, str, Source]] = {
     # metric name: (help, stats key or {label value: stats key})
@@ -33,6 +35,10 @@ _COUNTERS: dict[str, tuple[str, str, Source]] = {
         "read": "expired_read_leases", "write": "expired_write_leases"}),
     "polarkv_checksum_failures": ("entries dropped because their bytes failed the checksum", "",
                                   "checksum_failures"),
+    "polarkv_corrupt_reports": ("clients' checksum-mismatch reports (checked on the slab before any drop)", "",
+                                "corrupt_reports"),
+    "polarkv_corrupt_reports_rejected": ("reports the slab's bytes did not bear out", "",
+                                         "corrupt_reports_rejected"),
     "polarkv_deletes": ("entries deleted through the admin API", "", "deletes"),
     "polarkv_entries_lost": ("ready entries lost with a dead node", "", "entries_lost"),
 }
@@ -48,6 +54,14 @@ _GAUGES: dict[str, tuple[str, str, Source]] = {
     "polarkv_nodes": ("registered nodes, by state", "state", {"alive": "nodes", "dead": "nodes_dead"}),
 }
 
+
+def _stats_keys(table: dict[str, tuple[str, str, Source]]) -> set[str]:
+    return {k for _, _, source in table.values()
+            for k in (source.values() if isinstance(source, dict) else [source])}
+
+
+# every value comes from the one stats schema (manager/views.py)
+assert _stats_keys(_COUNTERS) | _stats_keys(_GAUGES) <= set(STATS_KEYS)
 
 _NODE_GAUGES = {
     # per node, from the manager's view and from what the node itself reports
@@ -70,12 +84,29 @@ _NODE_REPORTED = {
 }
 
 
+_TENANT = {
+    # per tenant (manager/tenants.py), from the core's TenantStats
+    "polarkv_tenant_lookups": ("lookup requests of the tenant", CounterMetricFamily, "lookups"),
+    "polarkv_tenant_hits": ("chunks the tenant's lookups found", CounterMetricFamily, "hits"),
+    "polarkv_tenant_misses": ("chunks the tenant's lookups missed", CounterMetricFamily, "misses"),
+    "polarkv_tenant_allocations": ("entries allocated for the tenant", CounterMetricFamily, "allocations"),
+    "polarkv_tenant_alloc_no_space": ("allocations the tenant was refused for room", CounterMetricFamily,
+                                      "alloc_no_space"),
+    "polarkv_tenant_commits": ("entries the tenant made visible", CounterMetricFamily, "commits"),
+    "polarkv_tenant_keys_memory": ("the tenant's ready entries in memory", GaugeMetricFamily, "keys_memory"),
+    "polarkv_tenant_bytes_memory": ("payload bytes of the tenant's entries in memory", GaugeMetricFamily,
+                                    "bytes_memory"),
+}
+Tenants = Callable[[], dict[str, dict[str, int]]]
+
+
 class _StatsCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, int]], failures: Callable[[], dict[str, int]],
-                 nodes: Callable[[], list[dict[str, Any]]]) -> None:
+                 nodes: Callable[[], list[dict[str, Any]]], tenants: Tenants | None) -> None:
         self._stats = stats
         self._failures = failures
         self._nodes = nodes
+        self._tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         failures = CounterMetricFamily("polarkv_tier_failures", "offloads and reloads that failed, by reason",
@@ -97,6 +128,13 @@ class _StatsCollector(Collector):
                 if node["state"] == "alive" and field in node["reported"]:
                     gauge.add_metric([node["id"]], node["reported"][field])
             yield gauge
+        tenants = self._tenants() if self._tenants is not None else {}
+        if set(tenants) - {"default"}:  # only once tenants are configured
+            for name, (help_text, kind, field) in _TENANT.items():
+                metric = kind(name, help_text, labels=["tenant"])
+                for tenant, values in tenants.items():
+                    metric.add_metric([tenant], values[field])
+                yield metric
         stats = self._stats()
         for table, family in ((_COUNTERS, CounterMetricFamily), (_GAUGES, GaugeMetricFamily)):
             for name, (help_text, label, source) in table.items():
@@ -111,9 +149,9 @@ class _StatsCollector(Collector):
 
 class ManagerMetrics:
     def __init__(self, stats: Callable[[], dict[str, int]], failures: Callable[[], dict[str, int]],
-                 nodes: Callable[[], list[dict[str, Any]]]) -> None:
+                 nodes: Callable[[], list[dict[str, Any]]], tenants: Tenants | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StatsCollector(stats, failures, nodes))
+        self.registry.register(_StatsCollector(stats, failures, nodes, tenants))
         tier_buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
         self.offload_seconds = Histogram("polarkv_offload_seconds", "time to write one entry to disk",
                                          registry=self.registry, buckets=tier_buckets)

@@ -9,6 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from polarkv_lib import __version__
+from polarkv_lib.manager.events import CAPACITY as EVENTS_CAPACITY
+from polarkv_lib.manager.events import Kind
+from polarkv_lib.manager.model import TenantStats
+from polarkv_lib.manager.ui import CORS_PATHS
+from polarkv_lib.manager.views import STATS_KEYS
+from polarkv_lib.wire.orders import TierOp
 
 KEY = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
 LEASE = {"type": "string", "pattern": "^[0-9a-f]{16,64}$"}
@@ -41,17 +47,10 @@ NODE_VIEW = obj({"address": STR, "shm_path": STR, "host_id": STR, "transports": 
 REGION = {"key": KEY, "node": STR, "offset": INT, "size": INT, "checksum": STR,
           "grant": {"type": "string", "pattern": "^[0-9a-f]+$"}}
 
-STATS_KEYS = [
-    "keys_memory", "keys_disk", "keys_writing", "bytes_memory", "bytes_memory_allocated",
-    "bytes_disk", "capacity_memory", "capacity_disk", "hits", "misses", "hits_memory",
-    "hits_disk", "lookups", "allocations", "alloc_exists", "alloc_in_progress", "alloc_no_space",
-    "commits", "aborts", "offloads", "offload_bytes", "bytes_offloading", "reloads", "reload_bytes",
-    "evictions", "disk_evictions", "tier_failures", "expired_write_leases",
-    "expired_read_leases", "checksum_failures", "deletes", "entries_lost", "read_leases",
-    "write_leases", "nodes", "nodes_dead",
-]
 WAIT = {"type": "number", "minimum": 0, "maximum": 10}
-ORDER = obj({"op": {"enum": ["offload", "reload", "delete"]}, "key": KEY, "gen": INT, "node": STR,
+TIER_OP = {"enum": [op.value for op in TierOp]}
+# wire.orders.Order.to_json
+ORDER = obj({"op": TIER_OP, "key": KEY, "gen": INT, "node": STR,
              "offset": INT, "size": INT, "extent": INT, "checksum": STR})
 
 
@@ -72,6 +71,38 @@ def _op(summary: str, ok: dict[str, Any], body: dict[str, Any] | None = None,
 
 
 KEY_PARAM = [{"name": "key", "in": "path", "required": True, "schema": KEY}]
+EVENT = obj({"seq": INT, "id": INT, "time": NUM, "kind": {"enum": [k.value for k in Kind]},
+             "level": {"enum": ["info", "warning", "error"]}, "subject": STR, "message": STR,
+             "count": INT}, additional=True)
+PREFLIGHT = {"summary": "CORS preflight (the status page reads every shard)",
+             "responses": {"204": {"description": "allowed: GET with an Authorization header"}}}
+
+
+def _operator_paths() -> dict[str, Any]:
+    """manager/ui.py: the status page, its events feed, drain, and CORS preflights."""
+    def text(ctype: str, what: str) -> dict[str, Any]:
+        return {"summary": what, "security": [], "responses": {
+            "200": {"description": what, "content": {ctype: {"schema": STR}}},
+            "404": _json(ERROR, "no such file")}}
+    int_param = {"type": "integer", "minimum": 0}
+    return {
+        "/": {"get": text("text/html", "the status page (its numbers need the token)")},
+        "/static/{name}": {"parameters": [{"name": "name", "in": "path", "required": True, "schema": STR}],
+                           "get": text("text/javascript", "the status page's script and stylesheet")},
+        # the query parameters belong to GET only: the path's CORS preflight takes none
+        "/v1/events": {"get": {
+            **_op("recent events after `since`, oldest first",
+                  obj({"events": arr(EVENT), "last_seq": INT}), errors=(400, 401)),
+            "parameters": [{"name": "since", "in": "query", "schema": int_param},
+                           {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
+                                                                       "maximum": EVENTS_CAPACITY}}]}},
+        "/v1/nodes/{node_id}/drain": {
+            "parameters": [{"name": "node_id", "in": "path", "required": True, "schema": STR}],
+            "post": _op("stop placing writes on a node and move its memory entries out",
+                        obj({"node": STR, "draining": {"type": "boolean"}, "keys_memory": INT,
+                             "offloads_pending": INT, "keys_disk": INT, "drained": {"type": "boolean"}}),
+                        errors=(401, 403), extra={404: "no such live node"})},
+    }
 
 
 def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dict[str, Any]:
@@ -90,13 +121,19 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                 "transports": arr(STR), "memory_used": INT, "memory_capacity": INT,
                 "keys_memory": INT, "bytes_memory": INT, "disk_used": INT, "disk_capacity": INT,
                 "keys_disk": INT, "last_heartbeat": NUM,
-                "reported": {"type": "object", "additionalProperties": INT}})
+                "reported": {"type": "object", "additionalProperties": INT},
+                "draining": {"type": "boolean"}, "offloads_pending": INT})
     paths: dict[str, Any] = {
         "/healthz": {"get": _op("liveness", obj({"status": {"enum": ["ok"]}, "nodes": INT,
                                                   "keys_memory": INT,
-                                                  "metadata_store": {"enum": ["ok", "retrying"]}}),
+                                                  "metadata_store": {"enum": ["ok", "retrying"]},
+                                                  "shard": STR, "key_range": STR}),
                                 errors=())},
-        "/v1/stats": {"get": _op("counters and sizes", obj({k: INT for k in STATS_KEYS}), errors=(401,))},
+        "/v1/stats": {"get": _op("counters and sizes (and, with tenants configured, each tenant's share)",
+                                 obj({k: INT for k in STATS_KEYS}, {"tenants": {
+                                     "type": "object", "description": "by tenant name; the admin sees all",
+                                     "additionalProperties": obj({k: INT for k in TenantStats.__slots__})}}),
+                                 errors=(401,))},
         "/v1/nodes": {"get": _op("slab/disk nodes", obj({"nodes": arr(node)}), errors=(401,))},
         "/v1/keys/{key}": {
             "parameters": KEY_PARAM,
@@ -145,7 +182,8 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                  "capacity": {"type": "integer", "minimum": 1, "maximum": 2**50 - 1}},
                 {"shm_path": STR, "host_id": STR, "transports": arr({"enum": ["tcp", "shm", "rdma"]}, 1),
                  "disk_capacity": {"type": "integer", "minimum": 0, "maximum": 2**62 - 1}}),
-            errors=(400, 401, 403))},
+            errors=(400, 401, 403),
+            extra={409: "the node id belongs to a live node under another incarnation"})},
         "/v1/nodes/heartbeat": {"post": _op(
             "a slab is alive (and reports its own counters)", obj({"ok": {"type": "boolean"}}),
             obj({"node_id": NODE_ID, "incarnation": INCARNATION},
@@ -160,7 +198,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
         "/v1/nodes/done": {"post": _op(
             "a disk role reports finished orders", obj({"ok": {"type": "boolean"}}),
             obj({"node_id": NODE_ID, "incarnation": INCARNATION,
-                 "results": batch(obj({"op": {"enum": ["offload", "reload", "delete"]}, "key": KEY,
+                 "results": batch(obj({"op": TIER_OP, "key": KEY,
                                      "gen": NONNEGATIVE, "ok": {"type": "boolean"}},
                                     {"reason": {"type": "string", "maxLength": 64}, "file_bytes": NONNEGATIVE,
                                      "seconds": {"type": "number", "minimum": 0}}), 1)}),
@@ -175,7 +213,15 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
         "/v1/nodes/unregister": {"post": _op(
             "a slab leaves; its entries are dropped", obj({"ok": {"type": "boolean"}}), NODE_REF,
             errors=(400, 401, 403), extra={404: "unknown node or incarnation"})},
+        **_operator_paths(),
     }
+    wrong_shard = _json(ERROR, "wrong_shard: a key outside this manager shard's range (manager/shard.py)")
+    for path, method in (("/v1/lookup", "post"), ("/v1/allocate", "post"), ("/v1/commit", "post"),
+                         ("/v1/abort", "post"), ("/v1/release", "post"), ("/v1/keys/{key}", "get"),
+                         ("/v1/keys/{key}", "delete"), ("/v1/nodes/adopt", "post")):
+        paths[path][method]["responses"]["421"] = wrong_shard
+    for path in CORS_PATHS:
+        paths[path]["options"] = PREFLIGHT
     return {
         "openapi": "3.0.3",
         "info": {"title": "PolarKV manager", "version": __version__,

@@ -12,56 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sqlite3
+import urllib.parse
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from polarkv_lib.errors import ConfigError
-
-NODE_COLUMNS = ("node_id", "incarnation", "address", "capacity", "disk_capacity", "shm_path",
-                "host_id", "transports")
-ENTRY_COLUMNS = ("key", "node_id", "incarnation", "size", "checksum", "mem_offset", "mem_extent",
-                 "in_memory", "on_disk", "file_bytes", "created")
-
-
-@dataclass(frozen=True, slots=True)
-class NodeRow:
-    node_id: str
-    incarnation: int
-    address: str
-    capacity: int
-    disk_capacity: int
-    shm_path: str
-    host_id: str
-    transports: str  # comma separated
-
-
-@dataclass(frozen=True, slots=True)
-class EntryRow:
-    key: str
-    node_id: str
-    incarnation: int
-    size: int
-    checksum: str
-    mem_offset: int
-    mem_extent: int
-    in_memory: bool
-    on_disk: bool
-    file_bytes: int
-    created: float
-
-
-@dataclass(slots=True)
-class Batch:
-    nodes: list[NodeRow]
-    entries: list[EntryRow]
-    deleted_keys: list[str]
-
-    def __len__(self) -> int:
-        return len(self.nodes) + len(self.entries) + len(self.deleted_keys)
-
+from polarkv_lib.manager.rows import ENTRY_COLUMNS, NODE_COLUMNS, Batch, EntryRow, NodeRow
 
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS polarkv_nodes (
@@ -178,6 +137,9 @@ class PostgresStore(MetadataStore):
             self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=2, timeout=5,
                                                    command_timeout=10)
             async with self._pool.acquire() as conn:
+                schema = _search_path_schema(self.dsn)
+                if schema:  # e.g. one schema per manager shard in one database
+                    await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 for statement in _SCHEMA:
                     await conn.execute(statement)
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
@@ -209,6 +171,16 @@ class PostgresStore(MetadataStore):
                 await asyncio.wait_for(self._pool.close(), 5)
             except (TimeoutError, OSError):
                 self._pool.terminate()
+
+
+def _search_path_schema(dsn: str) -> str:
+    """The first schema of a `?search_path=` in the URL (asyncpg passes it to the server
+    as a setting, so the tables are made and used there); '' if none."""
+    values = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query).get("search_path", [])
+    schema = values[0].split(",")[0].strip() if values else ""
+    if schema and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
+        raise ConfigError(f"manager.metadata_url: search_path {schema!r} is not a plain schema name")
+    return schema
 
 
 def open_store(url: str) -> MetadataStore:

@@ -21,19 +21,28 @@ def buffer_path(shm_dir: str, node_id: str, incarnation: int) -> str:
     return os.path.join(shm_dir, f"polarkv-{safe}-{incarnation:016x}.buf")
 
 
+def stale_buffers(shm_dir: str, node_id: str, keep: str = "") -> list[str]:
+    """Buffer files of any incarnation of `node_id` (but `keep`): what a process of this
+    node killed with -9 left behind. They hold no live data: their incarnation is gone."""
+    pattern = buffer_path(shm_dir, node_id, 0).replace("0" * 16, "*")
+    return [path for path in glob.glob(pattern) if path != keep]
+
+
+def remove_stale_buffers(shm_dir: str, node_id: str, keep: str = "") -> None:
+    for path in stale_buffers(shm_dir, node_id, keep):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 class SlabBuffer:
     def __init__(self, shm_dir: str, node_id: str, incarnation: int, size: int) -> None:
         self.size = size
         self.path = buffer_path(shm_dir, node_id, incarnation)
         # Buffers left by an earlier process of this node (killed with -9) hold no live
         # data for anyone: their incarnation is gone. Reclaim their memory.
-        stale_pattern = buffer_path(shm_dir, node_id, 0).replace("0" * 16, "*")
-        for stale in glob.glob(stale_pattern):
-            if stale != self.path:
-                try:
-                    os.unlink(stale)
-                except OSError:
-                    pass
+        remove_stale_buffers(shm_dir, node_id, keep=self.path)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
@@ -44,7 +53,8 @@ class SlabBuffer:
             except OSError as exc:
                 os.unlink(self.path)
                 raise ConfigError(
-                    f"slab.memory: cannot reserve {size} bytes in {shm_dir}: {exc.strerror}") from None
+                    f"slab.memory: cannot reserve {size} bytes in {shm_dir}: {exc.strerror}"
+                ) from None
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

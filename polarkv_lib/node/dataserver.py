@@ -4,52 +4,42 @@ Blocking sockets in threads, on purpose: a READ is one `sendmsg` of the response
 and the region straight from the mmap'd buffer, and a WRITE one `recv_into(MSG_WAITALL)`
 straight into it; each releases the GIL once and lets the kernel move the whole object.
 An event loop would need one wake-up per socket buffer's worth of data; a thread needs
-one syscall per request. The slab's Python code only decodes a 56-byte header and checks
-its grant.
+one syscall per request. The slab's Python code only decodes a 64-byte header and checks
+its grant (and, through the fence, that no newer entry holds the space it names).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import structlog
 
-from polarkv_lib.errors import AccessDenied, ProtocolError
+from polarkv_lib.config import SlabConfig
+from polarkv_lib.errors import AccessDenied, OperationTimeout, PolarKVError, ProtocolError
+from polarkv_lib.logs import Events, RateLimiter
+from polarkv_lib.node.connections import Conn, ConnTable
+from polarkv_lib.node.fence import Fence
+from polarkv_lib.transport import rdma_wire
+from polarkv_lib.transport.sockio import accept_loop, recv_exact, recv_some, send_all
 from polarkv_lib.wire import frames, grants
 from polarkv_lib.wire.frames import Status
 
+if TYPE_CHECKING:
+    from polarkv_lib.node.rdma_server import RdmaServer
+
 log = structlog.get_logger("polarkv.slab")
-
-
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view`; False on a clean EOF before the first byte, raise on a short read.
-    MSG_WAITALL: the kernel fills the whole view in one call (the socket is blocking), so
-    a WRITE's payload costs one syscall and one GIL release, not one per segment batch."""
-    got, n = 0, len(view)
-    while got < n:
-        r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if r == 0:
-            if got == 0:
-                return False
-            raise ConnectionError("peer closed mid-frame")
-        got += r
-    return True
-
-
-def send_all(sock: socket.socket, header: bytes, payload: memoryview) -> None:
-    """Send a response header and its payload with one sendmsg (and the rest, if the
-    kernel took less): the payload leaves straight from the slab buffer."""
-    sent = sock.sendmsg([header, payload])
-    if sent < len(header):
-        sock.sendall(memoryview(header)[sent:])
-        sent = len(header)
-    if sent - len(header) < len(payload):
-        sock.sendall(payload[sent - len(header):])
+MIN_RATE = 1024**2  # bytes/s: the slowest link a payload is waited for (beyond frame_timeout)
+ACCEPT_ERROR_LOG_INTERVAL = 10.0
+DRAIN = 1.0  # seconds requests in flight may take to finish at shutdown
 
 
 # Linux's values; Python 3.11's socket module does not export them.
@@ -57,6 +47,12 @@ _SO_ZEROCOPY = getattr(socket, "SO_ZEROCOPY", 60)
 _MSG_ZEROCOPY = getattr(socket, "MSG_ZEROCOPY", 0x4000000)
 _EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err (linux/errqueue.h)
 _ORIGIN_ZEROCOPY = 5  # SO_EE_ORIGIN_ZEROCOPY
+
+
+def _cut(sock: socket.socket) -> None:
+    """Cut a connection short from another thread: its blocked send or receive fails."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class Responder:
@@ -90,8 +86,11 @@ class Responder:
             except OSError:
                 self._zerocopy = False
 
-    def send(self, status: Status, length: int, payload: memoryview | None = None) -> None:
+    def send(
+        self, status: Status, length: int, payload: memoryview | None, deadline: float
+    ) -> None:
         header = frames.encode_response(status, length)
+        rest: list[bytes | memoryview] = [header]
         if self._zerocopy and self._reaped():
             self._buffer[:] = header
             try:
@@ -100,22 +99,18 @@ class Responder:
                 self._zerocopy = False
             else:
                 self._outstanding += 1
-                if sent < len(header):
-                    self._conn.sendall(header[sent:])
-                if payload is not None:
-                    self._conn.sendall(payload)
-                return
+                rest = [memoryview(header)[sent:]]
         if payload is not None:
-            send_all(self._conn, header, payload)
-        else:
-            self._conn.sendall(header)
+            rest.append(payload)
+        send_all(self._conn, rest, deadline)  # one sendmsg: header and payload together
 
     def _reaped(self) -> bool:
         """Collect completion notices without blocking; True once none is outstanding."""
         while self._outstanding:
             try:
                 _, ancillary, _, _ = self._conn.recvmsg(
-                    0, 512, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
+                    0, 512, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT
+                )
             except BlockingIOError:
                 return False
             for _level, _kind, data in ancillary:
@@ -134,65 +129,100 @@ class DataStats:
     bytes_written: int = 0
     denied: int = 0
     connections: int = 0
+    refused: int = 0  # full of connections that were all mid-request
+    evicted: int = 0  # idle connections closed to make room
+    timeouts: int = 0  # idle past slab.idle_timeout, or a frame slower than its bound
+    accept_errors: int = 0
 
 
 class DataServer:
-    def __init__(self, sock: socket.socket, buffer: memoryview, incarnation: int,
-                 grant_key: Callable[[], bytes | None], max_connections: int) -> None:
+    """Accepts connections in one thread and serves each in its own (see the module
+    docstring for why threads); `limits` bounds how many and for how long."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        buffer: memoryview,
+        incarnation: int,
+        grant_key: Callable[[], bytes | None],
+        limits: SlabConfig,
+        fence: Fence | None = None,
+        rdma: RdmaServer | None = None,
+    ) -> None:
         self._sock = sock
+        self.rdma = rdma  # set: a hello (rdma_wire) on a connection hands it to rdma.serve
         self._buffer = buffer
+        self.fence = fence or Fence(len(buffer))
         self._incarnation = incarnation
         self._grant_key = grant_key
-        self._max_connections = max_connections
-        self._conns: set[socket.socket] = set()
+        self._idle_timeout = limits.idle_timeout
+        self._frame_timeout = limits.frame_timeout
+        self._table = ConnTable(limits.max_connections, limits.max_connections_per_peer)
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopping = False
+        self._errors = RateLimiter(log, ACCEPT_ERROR_LOG_INTERVAL)
         self.stats = DataStats()
         self._acceptor = threading.Thread(target=self._accept_loop, name="slab-accept", daemon=True)
 
     def start(self) -> None:
         self._acceptor.start()
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 2.0, drain: float = DRAIN) -> None:
+        """Stop accepting; close idle connections at once and let requests in flight
+        finish for up to `drain` seconds (then they are cut: their clients miss); then
+        wait for the threads."""
         self._stopping = True
-        try:  # wakes the blocked accept() on Linux
+        with contextlib.suppress(OSError):  # wakes the blocked accept() on Linux
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
-        with self._lock:
-            for conn in self._conns:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            threads = list(self._threads)
+        deadline = time.monotonic() + drain
+        while conns := self._table.all():
+            late = time.monotonic() > deadline
+            for conn in conns:
+                if late or conn.idle_since is not None:
+                    _cut(conn.sock)
+            if late:
+                break
+            time.sleep(0.01)
         self._acceptor.join(timeout)
+        with self._lock:
+            threads = list(self._threads)
         for t in threads:
             t.join(timeout)
 
     def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                if len(self._conns) >= self._max_connections or self._stopping:
-                    busy = True
-                else:
-                    busy = False
-                    self._conns.add(conn)
-                    t = threading.Thread(target=self._serve, args=(conn,), name="slab-conn", daemon=True)
-                    self._threads.add(t)
-                    self.stats.connections += 1
-            if busy:
-                self._refuse(conn, Status.BUSY, "too many connections")
-                conn.close()
-            else:
-                t.start()
+        accept_loop(self._sock, self._admit, lambda: self._stopping, self._accept_failed)
+
+    def _accept_failed(self, exc: OSError) -> None:
+        self.stats.accept_errors += 1
+        self._errors.error(Events.ACCEPT_FAILED, error=str(exc))
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            sock.close()
+            return
+        conn, victim = (None, None) if self._stopping else self._table.admit(sock, peer)
+        if victim is not None:
+            self.stats.evicted += 1
+            self._errors.warning(Events.CONNECTION_EVICTED, peer=victim.peer)
+            with contextlib.suppress(OSError):  # its thread wakes up and closes it
+                victim.sock.shutdown(socket.SHUT_RDWR)
+        if conn is None:
+            self.stats.refused += 1
+            self._errors.warning(
+                Events.CONNECTION_REFUSED, peer=peer, reason="too many connections"
+            )
+            self._refuse(sock, Status.BUSY, "too many connections")
+            sock.close()
+            return
+        t = threading.Thread(target=self._serve, args=(conn,), name="slab-conn", daemon=True)
+        with self._lock:
+            self._threads.add(t)
+        self.stats.connections += 1
+        t.start()
 
     @staticmethod
     def _refuse(conn: socket.socket, status: Status, reason: str) -> None:
@@ -202,12 +232,27 @@ class DataServer:
         except OSError:
             pass
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _read_header(self, conn: Conn, hview: memoryview) -> bool:
+        """Wait (at most idle_timeout) for a request, then its whole header (at most
+        frame_timeout); False when the client closed between requests."""
+        got = recv_some(conn.sock, hview, self._idle_timeout)
+        if got == 0:
+            return False
+        if got < len(hview):
+            recv_exact(conn.sock, hview[got:], time.monotonic() + self._frame_timeout)
+        return True
+
+    def _serve(self, conn: Conn) -> None:
+        sock = conn.sock
         header = bytearray(frames.REQUEST_SIZE)
         hview = memoryview(header)
-        responder = Responder(conn)
+        responder = Responder(sock)
         try:
-            while recv_exact(conn, hview):
+            while self._read_header(conn, hview) and self._table.busy(conn):
+                if self.rdma is not None and rdma_wire.is_hello(header):
+                    self._table.idle(conn)  # a QP's lifeline: evictable, cut at once on stop
+                    self.rdma.serve(sock, bytes(header))
+                    return
                 try:
                     op, blob = frames.decode_request(header)
                     key = self._grant_key()
@@ -216,30 +261,48 @@ class DataServer:
                     grant = grants.verify(blob, key, self._incarnation, len(self._buffer))
                     if grant.op != op:
                         raise AccessDenied("grant is for another operation")
+                    token = self.fence.enter(
+                        grant.offset,
+                        grant.length,
+                        grant.gen,
+                        claim=op is grants.Op.WRITE,
+                        abort=partial(_cut, sock),
+                    )
                 except ProtocolError as exc:
-                    self._refuse(conn, Status.BAD_REQUEST, str(exc))
+                    self._refuse(sock, Status.BAD_REQUEST, str(exc))
                     return
                 except AccessDenied as exc:
                     self.stats.denied += 1
-                    self._refuse(conn, Status.DENIED, str(exc))
+                    self._refuse(sock, Status.DENIED, str(exc))
                     return
-                region = self._buffer[grant.offset: grant.offset + grant.length]
-                if op is grants.Op.READ:
-                    responder.send(Status.OK, grant.length, region)
-                    self.stats.reads += 1
-                    self.stats.bytes_read += grant.length
-                else:
-                    if not recv_exact(conn, region):
-                        return
-                    responder.send(Status.OK, 0)  # through it too: keeps reads aligned
-                    self.stats.writes += 1
-                    self.stats.bytes_written += grant.length
+                # The payload may take as long as a slow but honest link needs, no longer.
+                deadline = time.monotonic() + self._frame_timeout + grant.length / MIN_RATE
+                region = self._buffer[grant.offset : grant.offset + grant.length]
+                try:
+                    if op is grants.Op.READ:
+                        responder.send(Status.OK, grant.length, region, deadline)
+                        self.stats.reads += 1
+                        self.stats.bytes_read += grant.length
+                    else:
+                        recv_exact(sock, region, deadline)
+                        responder.send(
+                            Status.OK, 0, None, deadline
+                        )  # through it too: keeps reads aligned
+                        self.stats.writes += 1
+                        self.stats.bytes_written += grant.length
+                finally:
+                    self.fence.leave(token)
                 region.release()
-        except OSError as exc:
-            if not self._stopping:
-                log.debug("data connection closed", error=str(exc))
+                self._table.idle(conn)
+                if self._stopping:  # drained: no next request on this connection
+                    return
+        except OperationTimeout:
+            self.stats.timeouts += 1
+        except (OSError, PolarKVError) as exc:
+            if not self._stopping and not conn.evicted:
+                log.debug(Events.CONNECTION_CLOSED, error=str(exc))
         finally:
-            conn.close()
+            sock.close()
+            self._table.remove(conn)
             with self._lock:
-                self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())

@@ -21,35 +21,20 @@ import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import StrEnum
 
 import xxhash
 
 from polarkv_lib.errors import ConfigError
+from polarkv_lib.errors import DiskFailure as DiskFailure  # re-exported: callers meet it here
+from polarkv_lib.errors import Failure as Failure
 from polarkv_lib.keys import is_valid_key
+from polarkv_lib.transport.sockio import pread_into, pwrite_all
+from polarkv_lib.wire.orders import FILE_ALIGN as ALIGN
+from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE  # the manager books with these
 
-HEADER_SIZE = 4096
-ALIGN = 4096
 MAGIC = b"PKVDISK1"
 VERSION = 1
 _HEADER = struct.Struct("<8sHH16sQQ")  # magic, version, header size, key, length, checksum
-
-
-class Failure(StrEnum):
-    """Why an offload or reload did not happen; counted by reason."""
-
-    DISK_FULL = "disk_full"
-    IO_ERROR = "io_error"
-    MISSING = "missing"
-    TRUNCATED = "truncated"
-    BAD_HEADER = "bad_header"
-    CHECKSUM = "checksum"
-
-
-class DiskFailure(Exception):
-    def __init__(self, reason: Failure, detail: str) -> None:
-        super().__init__(f"{reason.value}: {detail}")
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +163,7 @@ class DiskStore:
             header = self._aligned(encode_header(key, size, checksum))
             fd = os.open(tmp, self._open_flags(os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 0o600)
             try:
-                self._write_all(fd, [header, payload], 0)
+                pwrite_all(fd, [header, payload], 0)
                 if self.o_direct and _round_up(size) != size:
                     os.ftruncate(fd, HEADER_SIZE + _round_up(size))
             finally:
@@ -226,7 +211,7 @@ class DiskStore:
                 raise DiskFailure(Failure.BAD_HEADER, f"{path}: header does not match the entry")
             got = max(got - HEADER_SIZE, 0)
             if 0 < got < want:  # a short read: finish it
-                got += self._read_all(fd, region[got:want], HEADER_SIZE + got)
+                got += pread_into(fd, region[got:want], HEADER_SIZE + got)
             if got < size:
                 raise DiskFailure(Failure.TRUNCATED, f"{path}: {got} of {size} bytes")
         except OSError as exc:
@@ -273,31 +258,6 @@ class DiskStore:
         buf = mmap.mmap(-1, len(data))
         buf[:] = data
         return memoryview(buf)
-
-    @staticmethod
-    def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
-        """Header and payload in one pwritev (one I/O per offload), then whatever a
-        short write left."""
-        while parts:
-            n = os.pwritev(fd, parts, offset)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write")
-            offset += n
-            while parts and n >= len(parts[0]):
-                n -= len(parts[0])
-                parts = parts[1:]
-            if parts and n:
-                parts = [parts[0][n:], *parts[1:]]
-
-    @staticmethod
-    def _read_all(fd: int, view: memoryview, offset: int) -> int:
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n == 0:
-                break
-            done += n
-        return done
 
     def stats(self) -> dict[str, int]:
         with self._lock:

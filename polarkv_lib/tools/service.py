@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import signal
 import subprocess
@@ -16,8 +15,8 @@ from typing import Any
 import orjson
 
 import polarkv_lib
-from polarkv_lib.node.buffer import buffer_path
-from polarkv_lib.tools.timing import BenchError
+from polarkv_lib.node.buffer import remove_stale_buffers
+from polarkv_lib.tools.bench.core import BenchError
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0  # the service's own shutdown bound is 10 s
@@ -31,8 +30,12 @@ class Service:
     """One `polarkv` subprocess on ephemeral loopback ports, in its own directory (its
     metadata store and, with the disk role, its disk path live there)."""
 
-    def __init__(self, workdir: str, roles: tuple[str, ...], settings: dict[str, str]) -> None:
+    def __init__(self, workdir: str, roles: tuple[str, ...], settings: dict[str, str],
+                 stop_timeout: float = STOP_TIMEOUT, start_timeout: float = START_TIMEOUT) -> None:
         os.makedirs(workdir, exist_ok=True)
+        self.stop_timeout = stop_timeout  # a manager with a big table flushes longer
+        self.start_timeout = start_timeout
+        self.started = 0.0  # time.monotonic() when the process was started
         self.workdir = workdir
         self._ready = os.path.join(workdir, "ready.json")
         self._log = os.path.join(workdir, "service.log")
@@ -52,7 +55,10 @@ class Service:
         root = Path(polarkv_lib.__file__).resolve().parent.parent
         if (root / "polarkv.py").exists():  # a source checkout: make `-m polarkv` importable
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        with contextlib.suppress(FileNotFoundError):  # a previous run's, in the same workdir
+            os.unlink(self._ready)
         with open(self._log, "wb") as log_file:
+            self.started = time.monotonic()
             self._proc = subprocess.Popen(self._cmd, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL,
                                           stdout=log_file, stderr=subprocess.STDOUT)
 
@@ -63,12 +69,12 @@ class Service:
 
     def wait_ready(self) -> str:
         assert self._proc is not None
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self.start_timeout
         while not os.path.exists(self._ready):
             if self._proc.poll() is not None:
                 raise ServiceError(f"polarkv exited with {self._proc.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise ServiceError(f"polarkv not ready in {START_TIMEOUT:.0f}s:\n{self.log_tail()}")
+                raise ServiceError(f"polarkv not ready in {self.start_timeout:.0f}s:\n{self.log_tail()}")
             time.sleep(0.05)
         with open(self._ready, "rb") as fh:
             info = orjson.loads(fh.read())
@@ -89,17 +95,14 @@ class Service:
         if proc.poll() is None:
             self.terminate()
             try:
-                proc.wait(STOP_TIMEOUT)
+                proc.wait(self.stop_timeout)
                 return
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
         if self._node_id and proc.returncode not in (0, -signal.SIGTERM):
             # Killed or crashed: its buffer file would hold the memory until reboot.
-            pattern = buffer_path("/dev/shm", self._node_id, 0).replace("0" * 16, "*")
-            for path in glob.glob(pattern):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            remove_stale_buffers("/dev/shm", self._node_id)
 
     def log_tail(self, lines: int = 20) -> str:
         try:

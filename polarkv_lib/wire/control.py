@@ -214,6 +214,11 @@ class RegisterRequest:
     transports: list[str]
     disk_capacity: int
 
+    def encode(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "incarnation": self.incarnation, "address": self.address,
+                "capacity": self.capacity, "shm_path": self.shm_path, "host_id": self.host_id,
+                "transports": list(self.transports), "disk_capacity": self.disk_capacity}
+
 
 def parse_register(body: dict[str, Any]) -> RegisterRequest:
     _only(body, {"node_id", "incarnation", "address", "capacity", "shm_path", "host_id", "transports",
@@ -251,6 +256,9 @@ def _nonnegative(body: dict[str, Any], name: str) -> int:
 class NodeRef:
     node_id: str
     incarnation: int
+
+    def encode(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "incarnation": self.incarnation}
 
 
 def parse_node_ref(body: dict[str, Any], extra: tuple[str, ...] = ()) -> NodeRef:

@@ -1,10 +1,16 @@
-"""Data-plane grants: (op, incarnation, offset, length, expiry) signed with HMAC-SHA256.
+"""Data-plane grants: (op, incarnation, offset, length, expiry, generation) signed with
+HMAC-SHA256.
 
 The manager signs one grant per region it hands out; a slab serves a request only if
 the grant verifies with the shared key, names this slab's incarnation (so a grant for
 another node, or for this node before a restart, is useless), covers the bytes asked
 for, and has not expired. Expiry is wall-clock milliseconds: manager and slabs must
 keep their clocks in sync (NTP) to well within a lease.
+
+The generation is that of the entry the region belongs to (it grows with every entry,
+across manager restarts). A grant outlives its entry: the slab's fence (node/fence.py)
+refuses any grant on space that a newer generation has claimed since, so a kept grant
+can neither read nor overwrite the bytes of whoever holds that space next.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class Op(IntEnum):
     WRITE = 2
 
 
-_BODY = struct.Struct("<B3xQQQQ")  # op, incarnation, offset, length, expires_ms
+_BODY = struct.Struct("<B3xQQQQQ")  # op, incarnation, offset, length, expires_ms, gen
 MAC_SIZE = 16
 GRANT_SIZE = _BODY.size + MAC_SIZE
 
@@ -36,9 +42,12 @@ class Grant:
     offset: int
     length: int
     expires_ms: int
+    gen: int = 0
 
     def body(self) -> bytes:
-        return _BODY.pack(self.op, self.incarnation, self.offset, self.length, self.expires_ms)
+        return _BODY.pack(
+            self.op, self.incarnation, self.offset, self.length, self.expires_ms, self.gen
+        )
 
 
 def sign(grant: Grant, key: bytes) -> bytes:
@@ -50,20 +59,25 @@ def decode(blob: bytes | bytearray | memoryview) -> Grant:
     """Parse without verifying (clients read offset/length for shm; the slab verifies)."""
     if len(blob) != GRANT_SIZE:
         raise ProtocolError(f"a grant is {GRANT_SIZE} bytes, got {len(blob)}")
-    op, incarnation, offset, length, expires_ms = _BODY.unpack_from(blob)
+    op, incarnation, offset, length, expires_ms, gen = _BODY.unpack_from(blob)
     if op not in (Op.READ, Op.WRITE):
         raise ProtocolError(f"unknown grant op {op}")
-    return Grant(Op(op), incarnation, offset, length, expires_ms)
+    return Grant(Op(op), incarnation, offset, length, expires_ms, gen)
 
 
-def verify(blob: bytes | bytearray | memoryview, key: bytes, incarnation: int, buffer_size: int,
-           now_ms: int | None = None) -> Grant:
+def verify(
+    blob: bytes | bytearray | memoryview,
+    key: bytes,
+    incarnation: int,
+    buffer_size: int,
+    now_ms: int | None = None,
+) -> Grant:
     """Return the grant if it is genuine and usable on this slab, else raise AccessDenied."""
     if len(blob) != GRANT_SIZE:
         raise ProtocolError(f"a grant is {GRANT_SIZE} bytes, got {len(blob)}")
     body = bytes(blob[: _BODY.size])
     expected = hmac.new(key, body, sha256).digest()[:MAC_SIZE]
-    if not hmac.compare_digest(expected, bytes(blob[_BODY.size:])):
+    if not hmac.compare_digest(expected, bytes(blob[_BODY.size :])):
         raise AccessDenied("grant signature does not verify")
     grant = decode(blob)  # only a genuine grant is parsed
     if grant.incarnation != incarnation:

@@ -3,12 +3,15 @@ so tests can stop half-way (allocate without commit, hold a lease) and look."""
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
 
 from polarkv_lib.client.async_client import checksum
 from polarkv_lib.transport.base import NodeTarget, Region
 from polarkv_lib.transport.tcp import TcpTransport
+from polarkv_lib.wire import frames
+from polarkv_lib.wire.grants import Op
 from tests.conftest import http
 
 
@@ -18,8 +21,14 @@ def key(i: int) -> str:
 
 def region(reply: dict[str, Any], entry: dict[str, Any]) -> Region:
     n = reply["nodes"][entry["node"]]
-    node = NodeTarget(entry["node"], n["address"], n["incarnation"], n["shm_path"], n["host_id"],
-                      tuple(n["transports"]))
+    node = NodeTarget(
+        entry["node"],
+        n["address"],
+        n["incarnation"],
+        n["shm_path"],
+        n["host_id"],
+        tuple(n["transports"]),
+    )
     return Region(node, entry["offset"], entry["size"], bytes.fromhex(entry["grant"]))
 
 
@@ -40,8 +49,11 @@ def write(url: str, k: str, data: bytes, commit: bool = True) -> dict[str, Any]:
     finally:
         transport.close()
     if commit:
-        done = post(url, "/v1/commit", {"lease": reply["lease"],
-                                        "items": [{"key": k, "checksum": checksum(data)}]})
+        done = post(
+            url,
+            "/v1/commit",
+            {"lease": reply["lease"], "items": [{"key": k, "checksum": checksum(data)}]},
+        )
         assert done["results"][k] == "committed"
     return reply
 
@@ -54,3 +66,27 @@ def read(url: str, reply: dict[str, Any], entry: dict[str, Any]) -> bytes:
     finally:
         transport.close()
     return bytes(buf)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+def raw(address: str, op: Op, grant_hex: str, payload: bytes = b"") -> tuple[frames.Status, bytes]:
+    """One hand-made request frame; the status and whatever body came back."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(frames.encode_request(op, bytes.fromhex(grant_hex)) + payload)
+        status, length = frames.decode_response(recv_exact(sock, frames.RESPONSE_SIZE))
+        return status, recv_exact(sock, length)
+
+
+def only(reply: dict[str, Any], name: str = "entries") -> tuple[dict[str, Any], str]:
+    (entry,) = reply[name]
+    return entry, reply["nodes"][entry["node"]]["address"]

@@ -4,6 +4,7 @@ response matches the document."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import schemathesis
@@ -34,5 +35,5 @@ def manager_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-def test_api_conforms(case: schemathesis.Case, manager_url: str) -> None:
+def test_api_conforms(case: schemathesis.Case[Any], manager_url: str) -> None:
     case.call_and_validate(base_url=manager_url, timeout=15)  # long polls wait up to 10 s

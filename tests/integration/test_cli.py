@@ -73,7 +73,16 @@ def test_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> No
     assert done.returncode == 2 and "slab.listen" in done.stderr
 
 
-@pytest.mark.parametrize("extra", [["--insecure"], ["--set", "security.token=t0ken"]])
+def test_refuses_a_token_without_an_admin_token_beyond_loopback(tmp_path: Path) -> None:
+    """Otherwise every client could register a node and take the grant key."""
+    done = run("--role", "manager", "--set", "manager.listen=0.0.0.0:0", "--set", "security.token=t0ken",
+               cwd=tmp_path)
+    assert done.returncode == 2
+    assert "security.admin_token" in done.stderr and "grant key" in done.stderr
+
+
+@pytest.mark.parametrize("extra", [["--insecure"], ["--set", "security.token=t0ken",
+                                                    "--set", "security.admin_token=4dmin"]])
 def test_beyond_loopback_with_a_token_or_insecure(cluster: Cluster, extra: list[str]) -> None:
     node = cluster.start(["manager"], {"manager.listen": "0.0.0.0:0"}, name="open", extra_args=extra)
     port = node.manager_url.rpartition(":")[2]
@@ -96,7 +105,7 @@ def test_port_in_use_names_the_key(tmp_path: Path) -> None:
 
 def test_config_file_env_and_set_precedence(cluster: Cluster, tmp_path: Path) -> None:
     conf = tmp_path / "polarkv.toml"
-    conf.write_text('[slab]\nmemory = "8MiB"\n[manager]\npartitions = 4\n')
+    conf.write_text('[slab]\nmemory = "8MiB"\n[manager]\nmax_batch = 4096\n')
 
     def capacity(name: str, memory: str | None, env: dict[str, str]) -> int:
         node = cluster.start([], {"slab.memory": memory}, name=name, env=env, config_file=conf)
@@ -125,7 +134,7 @@ def test_signal_stops_gracefully(cluster: Cluster, sig: signal.Signals) -> None:
 
 def test_admin_cli(cluster: Cluster) -> None:
     node = cluster.embedded()
-    done = run("admin", "stats", "--url", node.manager_url)
+    done = run("admin", "stats", "--json", "--url", node.manager_url)
     assert done.returncode == 0 and '"nodes": 1' in done.stdout
     done = run("admin", "key", "0" * 32, "--url", node.manager_url)
     assert done.returncode == 3 and "404" in done.stderr

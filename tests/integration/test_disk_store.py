@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from polarkv_lib.errors import ConfigError
-from polarkv_lib.node.disk import HEADER_SIZE, DiskFailure, DiskStore, Failure
+from polarkv_lib.errors import ConfigError, DiskFailure, Failure
+from polarkv_lib.node.disk import DiskStore
+from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE
 
 KEY = "0123456789abcdef0123456789abcdef"
 

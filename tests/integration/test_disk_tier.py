@@ -15,13 +15,14 @@ import pytest
 
 from polarkv_lib.client import PolarKVClient
 from tests.conftest import Cluster, PolarKV, http, stats, wait_for
+from tests.conftest import prompt as shared_prompt
 
 MiB = 1 << 20
 CT = 4  # tokens per chunk: small prompts, big chunks
 
 
 def prompt(conversation: int, chunks: int) -> list[int]:
-    return [conversation * 100_000 + t for t in range(chunks * CT)]
+    return shared_prompt(conversation, chunks, CT)
 
 
 def digest(data: bytes | memoryview) -> str:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -17,10 +18,10 @@ CLIENT = str(Path(__file__).with_name("client_proc.py"))
 CHUNKS, CHUNK_BYTES = 64, 4 << 20
 
 
-def run_client(*args: str) -> dict:
+def run_client(*args: str) -> dict[str, Any]:
     done = subprocess.run([sys.executable, CLIENT, *args], capture_output=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr.decode()
-    return orjson.loads(done.stdout)
+    return dict(orjson.loads(done.stdout))
 
 
 @pytest.mark.parametrize("layout,transport", [

@@ -4,30 +4,25 @@ surviving slab holds in memory and what its disk holds, from SQLite or PostgreSQ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import socket
+import sqlite3
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from polarkv_lib.client import PolarKVClient
-from tests.conftest import Cluster, PolarKV, http, stats, wait_for
+from tests.conftest import Cluster, PolarKV, free_port, http, stats, wait_for
+from tests.conftest import prompt as shared_prompt
 
 MiB = 1 << 20
 CT = 4
 PG = "postgresql://postgres@127.0.0.1:5432/test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def prompt(conv: int, chunks: int) -> list[int]:
-    return [conv * 100_000 + t for t in range(chunks * CT)]
+    return shared_prompt(conv, chunks, CT)
 
 
 async def _pg(sql: str) -> list[tuple[object, ...]]:
@@ -41,6 +36,20 @@ async def _pg(sql: str) -> list[tuple[object, ...]]:
 
 def pg(sql: str) -> list[tuple[object, ...]]:
     return asyncio.run(_pg(sql))
+
+
+def _rows(metadata_url: str) -> int:
+    """Entries the write-behind has flushed to the metadata store."""
+    if metadata_url.startswith("postgresql"):
+        count = pg("SELECT count(*) FROM polarkv_entries")[0][0]
+        assert isinstance(count, int)
+        return count
+    path = metadata_url.removeprefix("sqlite:///")
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)) as conn:
+        try:
+            return int(conn.execute("SELECT count(*) FROM polarkv_entries").fetchone()[0])
+        except sqlite3.OperationalError:  # not created yet, or busy for a moment
+            return 0
 
 
 @pytest.fixture
@@ -67,14 +76,16 @@ def test_manager_restart_restores_memory_and_disk_entries(cluster: Cluster, stor
     manager = _manager(cluster, port, metadata_url, "m1")
     url = manager.manager_url
     cluster.slab_disk(url, slab__memory="16MiB", slab__node_id="vm-1")
-    with PolarKVClient(url, chunk_tokens=CT, timeout=5, breaker_interval=0.1) as c:
+    # tcp, where every read is checked against a grant: the restarted manager has a new
+    # grant key (none is configured), which the slab must take when it registers again.
+    with PolarKVClient(url, chunk_tokens=CT, timeout=5, breaker_interval=0.1, transport="tcp") as c:
         data = {conv: [os.urandom(MiB) for _ in range(6)] for conv in range(5)}
         for conv, chunks in data.items():  # 30 MiB through 16 MiB: the oldest go to disk
             assert c.store_kv(prompt(conv, 6), chunks) == 6
         wait_for(lambda: stats(url)["bytes_offloading"] == 0)  # tiering has settled
         before = stats(url)
         assert before["keys_disk"] > 0 and before["keys_memory"] > 0
-        time.sleep(0.5)  # one flush interval and more
+        wait_for(lambda: _rows(metadata_url) >= before["keys_memory"] + before["keys_disk"])  # flushed
         manager.kill()  # kill -9: no goodbye, no final flush
         assert c.load_kv(prompt(4, 6)) == (0, [])  # down: a miss, nothing raised
         again = _manager(cluster, port, metadata_url, "m2")

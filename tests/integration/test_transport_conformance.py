@@ -1,4 +1,5 @@
-"""One suite, every transport this machine supports (tcp, shm; rdma needs a device).
+"""One suite, every transport this machine supports (tcp, shm; rdma needs a device and
+is skipped with the reason where there is none).
 
 Each case runs against a real slab process with regions and grants from its manager.
 """
@@ -14,26 +15,32 @@ import pytest
 
 from polarkv_lib.client import checksum
 from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, PolarKVError
+from polarkv_lib.transport import create, rdma_unavailable
 from polarkv_lib.transport.base import Transport
-from polarkv_lib.transport.shm import ShmTransport
-from polarkv_lib.transport.tcp import TcpTransport
 from tests.conftest import Cluster, PolarKV
 from tests.integration.raw import key, post, region
 
-FACTORIES = {"tcp": TcpTransport, "shm": ShmTransport}
-# Whether the slab checks grants on this path (shm is guarded by file permissions instead).
-VERIFIES_GRANTS = {"tcp": True, "shm": False}
+NAMES = ("rdma", "shm", "tcp")
+# Whether a grant's op is enforced on this path (by the slab for tcp, by the client for
+# rdma; shm is guarded by file permissions instead), and whether its signature is: only
+# the slab holds the key, and an rdma slab without memory windows is not asked.
+VERIFIES_GRANTS = {"tcp": True, "shm": False, "rdma": True}
+CHECKS_SIGNATURE = {"tcp": True, "shm": False, "rdma": False}
 
 
-@pytest.fixture(params=sorted(FACTORIES))
+@pytest.fixture(params=NAMES)
 def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
-    t = FACTORIES[request.param]()
+    if request.param == "rdma" and (reason := rdma_unavailable()):
+        pytest.skip(f"rdma: {reason}")
+    t = create(request.param)
     yield t
     t.close()
 
 
 @pytest.fixture
-def node(cluster: Cluster) -> PolarKV:
+def node(cluster: Cluster, transport: Transport) -> PolarKV:
+    if transport.name == "rdma":
+        return cluster.embedded(slab__transports="tcp,shm,rdma")
     return cluster.embedded()
 
 
@@ -98,7 +105,7 @@ def test_forged_grant(node: PolarKV, transport: Transport) -> None:
     forged = bytearray(r.grant)
     forged[-1] ^= 0xFF
     bad = type(r)(r.node, r.offset, r.size, bytes(forged))
-    if VERIFIES_GRANTS[transport.name]:
+    if CHECKS_SIGNATURE[transport.name]:
         with pytest.raises(AccessDenied):
             transport.write_from(bad, memoryview(bytearray(100)), time.monotonic() + 5)
     else:

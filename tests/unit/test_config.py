@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from pathlib import Path
@@ -135,7 +136,7 @@ def write_toml(tmp_path: Path, text: str) -> str:
 def test_defaults_when_nothing_given() -> None:
     config = load_config(environ={})
     assert config == Config()
-    assert config.manager.partitions == 16
+    assert config.manager.max_batch == 4096
     assert config.slab.transports == ("tcp", "shm")
     assert config.manager.max_object_size == 256 * 1024**2
 
@@ -145,7 +146,7 @@ def test_toml_overrides_defaults_and_parses_kinds(tmp_path: Path) -> None:
         tmp_path,
         """
 [manager]
-partitions = 8
+heartbeat_ttl = "8s"
 read_lease = "250ms"
 max_object_size = "1MiB"
 memory_high_watermark = 1
@@ -162,7 +163,7 @@ paths = ["/a", "/b"]
 """,
     )
     config = load_config(path, environ={})
-    assert config.manager.partitions == 8
+    assert config.manager.heartbeat_ttl == 8.0
     assert config.manager.read_lease == pytest.approx(0.25)
     assert config.manager.max_object_size == 1024**2
     assert config.manager.memory_high_watermark == 1.0
@@ -177,14 +178,14 @@ paths = ["/a", "/b"]
 
 
 def test_precedence_defaults_file_env_set(tmp_path: Path) -> None:
-    path = write_toml(tmp_path, "[manager]\npartitions = 8\nmax_batch = 10\nread_lease = '2s'\n")
+    path = write_toml(tmp_path, "[manager]\nwrite_lease = '8s'\nmax_batch = 10\nread_lease = '2s'\n")
     env = {
         "POLARKV_MANAGER__MAX_BATCH": "20",
         "POLARKV_MANAGER__READ_LEASE": "3s",
         "POLARKV_CLIENT__CHUNK_TOKENS": "64",
     }
     config = load_config(path, overrides=["manager.read_lease=4s"], environ=env)
-    assert config.manager.partitions == 8  # file beats default
+    assert config.manager.write_lease == 8.0  # file beats default
     assert config.manager.max_batch == 20  # env beats file
     assert config.manager.read_lease == 4.0  # --set beats env and file
     assert config.client.chunk_tokens == 64  # env beats default
@@ -220,8 +221,8 @@ def test_env_none_reads_process_environment(monkeypatch: pytest.MonkeyPatch) -> 
     for name in list(os.environ):
         if name.startswith("POLARKV_"):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("POLARKV_MANAGER__PARTITIONS", "5")
-    assert load_config().manager.partitions == 5
+    monkeypatch.setenv("POLARKV_MANAGER__MAX_BATCH", "5")
+    assert load_config().manager.max_batch == 5
 
 
 def test_set_values_keep_text_after_first_equals() -> None:
@@ -241,7 +242,8 @@ def test_set_values_keep_text_after_first_equals() -> None:
         ({"overrides": ["manager.nope=1"]}, "manager.nope"),
         ({"overrides": ["slab.memory=lots"]}, "slab.memory"),
         ({"overrides": ["manager.read_lease=soon"]}, "manager.read_lease"),
-        ({"overrides": ["manager.partitions=1.5"]}, "manager.partitions"),
+        ({"overrides": ["manager.max_batch=1.5"]}, "manager.max_batch"),
+        ({"overrides": ["manager.partitions=16"]}, "manager.partitions: removed"),
         ({"overrides": ["disk.o_direct=maybe"]}, "disk.o_direct"),
         ({"overrides": ["manager.listen=nowhere"]}, "manager.listen"),
         ({"overrides": ["disk.paths=[1, 2]"]}, "disk.paths"),
@@ -262,7 +264,7 @@ def test_env_error_names_the_variable() -> None:
         load_config(environ={"POLARKV_SLAB__MEMORY": "huge"})
 
 
-@pytest.mark.parametrize("item", ["manager.partitions", "partitions=3", "=3", "manager=3"])
+@pytest.mark.parametrize("item", ["manager.max_batch", "max_batch=3", "=3", "manager=3"])
 def test_malformed_set_is_rejected(item: str) -> None:
     with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(overrides=[item], environ={})
@@ -277,7 +279,7 @@ def test_malformed_set_is_rejected(item: str) -> None:
         ("[manager]\nheartbeat_ttl = 'forever'\n", "manager.heartbeat_ttl"),
         ("[slab]\nmemory = -1\n", "slab.memory"),
         ("[disk]\no_direct = 3\n", "disk.o_direct"),
-        ("[manager]\npartitions = true\n", "manager.partitions"),
+        ("[manager]\nmax_batch = true\n", "manager.max_batch"),
         ("manager = 3\n", "manager"),
         ("[manager\n", "not valid TOML"),
     ],
@@ -301,8 +303,8 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["manager.partitions=0"], "manager.partitions"),
-        (["manager.partitions=4097"], "manager.partitions"),
+        (["manager.max_body_size=1000"], "manager.max_body_size"),
+        (["manager.metadata_flush=61s"], "manager.metadata_flush"),
         (["manager.memory_low_watermark=0.95"], "manager.memory_low_watermark"),  # low > high
         (["manager.memory_low_watermark=0"], "manager.memory_low_watermark"),
         (["manager.memory_high_watermark=1.01"], "manager.memory_low_watermark"),
@@ -343,8 +345,8 @@ def test_validate_range_checks(overrides: list[str], needle: str) -> None:
     [
         ["manager.memory_low_watermark=0.9", "manager.memory_high_watermark=0.9"],
         ["manager.memory_low_watermark=0.1", "manager.memory_high_watermark=1"],
-        ["manager.partitions=1"],
-        ["manager.partitions=4096"],
+        ["manager.max_batch=1"],
+        ["manager.max_batch=4096"],
         ["slab.memory=1MiB"],
         ["slab.transports=tcp,shm,rdma"],
         ["slab.advertise=10.0.0.1:9000"],
@@ -358,8 +360,8 @@ def test_validate_accepts_boundaries(overrides: list[str]) -> None:
 
 
 def test_validate_checks_a_directly_built_config() -> None:
-    bad = Config(manager=ManagerConfig(partitions=0))
-    with pytest.raises(ConfigError, match=r"manager\.partitions"):
+    bad = Config(manager=ManagerConfig(max_batch=0))
+    with pytest.raises(ConfigError, match=r"manager\.max_batch"):
         validate(bad)
     validate(Config())
 
@@ -367,7 +369,7 @@ def test_validate_checks_a_directly_built_config() -> None:
 def test_config_is_frozen() -> None:
     config = load_config(environ={})
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.manager.partitions = 3  # type: ignore[misc]
+        config.manager.max_batch = 3  # type: ignore[misc]
 
 
 # -- describe_keys ------------------------------------------------------------------------
@@ -390,7 +392,7 @@ def test_describe_keys_defaults_match_the_dataclasses() -> None:
     for dotted, default, kind, help_text in describe_keys():
         section, key = dotted.split(".")
         assert getattr(getattr(defaults, section), key) == default, dotted
-        assert kind in {"size", "duration", "address", "bool", "int", "float", "str", "list"}
+        assert kind in {"size", "duration", "address", "bool", "int", "float", "str", "list", "urls", "shard"}
         assert help_text.strip(), dotted
 
 
@@ -406,3 +408,29 @@ def test_every_described_key_can_be_set_to_its_default() -> None:
     overrides = [f"{dotted}={text(kind, default)}" for dotted, default, kind, _ in describe_keys()]
     # empty strings stay empty; the round trip must reproduce the defaults
     assert load_config(overrides=overrides, environ={}) == Config()
+
+
+# -- clients from a config -----------------------------------------------------------------
+
+
+def test_clients_take_their_settings_from_one_config() -> None:
+    from polarkv_lib.client import AsyncPolarKVClient, PolarKVClient
+    from polarkv_lib.client.async_client import DEFAULTS, client_kwargs
+    from polarkv_lib.config import ClientConfig
+
+    config = load_config(overrides=["client.timeout=7s", "client.window=8", "client.connections=2",
+                                    "security.token=secret", "client.manager_url=http://127.0.0.1:9"],
+                         environ={})
+    kwargs = client_kwargs(config, None)
+    assert kwargs["timeout"] == 7.0 and kwargs["window"] == 8 and kwargs["token"] == "secret"
+    assert client_kwargs(config, "other")["token"] == "other"  # an explicit token wins
+    assert client_kwargs(ClientConfig(), None)["token"] is None
+    # the constructors' defaults are the config's defaults: written once
+    assert ClientConfig() == DEFAULTS
+    with PolarKVClient.from_config(config, namespace="ns") as client:
+        assert (client.namespace, client.chunk_tokens) == ("ns", DEFAULTS.chunk_tokens)
+    async def check() -> None:
+        async with AsyncPolarKVClient.from_config(config.client) as aclient:
+            assert aclient.timeout == 7.0 and aclient.window == 8
+
+    asyncio.run(check())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -376,16 +377,18 @@ def test_register_disk_capacity() -> None:
     assert control.parse_register(register_body()).disk_capacity == 0  # no disk role
     assert control.parse_register(register_body(disk_capacity=1 << 40)).disk_capacity == 1 << 40
     for value in (-1, 2**62, 1.5, True, "1GiB", None):
-        bad(lambda v=value: control.parse_register(register_body(disk_capacity=v)), "'disk_capacity'")
+        bad(functools.partial(lambda v: control.parse_register(register_body(disk_capacity=v)), value),
+            "'disk_capacity'")
 
 
 def test_heartbeat_stats() -> None:
     ref, stats = control.parse_heartbeat({"node_id": "n1", "incarnation": 3, "stats": {"offloads": 2}})
     assert (ref.node_id, ref.incarnation, stats) == ("n1", 3, {"offloads": 2})
     assert control.parse_heartbeat({"node_id": "n1", "incarnation": 3})[1] == {}
-    for stats_value in ({"x": True}, {"x": 1.5}, {"x" * 65: 1}, {str(i): i for i in range(257)}, []):
-        bad(lambda s=stats_value: control.parse_heartbeat({"node_id": "n1", "incarnation": 3,
-                                                           "stats": s}), "'stats'")
+    stats_values: list[object] = [{"x": True}, {"x": 1.5}, {"x" * 65: 1}, {str(i): i for i in range(257)}, []]
+    for stats_value in stats_values:
+        body = {"node_id": "n1", "incarnation": 3, "stats": stats_value}
+        bad(functools.partial(control.parse_heartbeat, body), "'stats'")
 
 
 def done_body(**changes: Any) -> dict[str, Any]:

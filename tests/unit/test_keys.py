@@ -20,9 +20,19 @@ def tokens(n: int, start: int = 0) -> list[int]:
 # -- chunk_keys ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n", "chunk", "expected"), [
-    (0, 4, 0), (3, 4, 0), (4, 4, 1), (7, 4, 1), (8, 4, 2), (17, 4, 4), (5, 1, 5), (256, 256, 1),
-])
+@pytest.mark.parametrize(
+    ("n", "chunk", "expected"),
+    [
+        (0, 4, 0),
+        (3, 4, 0),
+        (4, 4, 1),
+        (7, 4, 1),
+        (8, 4, 2),
+        (17, 4, 4),
+        (5, 1, 5),
+        (256, 256, 1),
+    ],
+)
 def test_only_full_chunks_are_keyed(n: int, chunk: int, expected: int) -> None:
     keys = chunk_keys(tokens(n), NS, chunk)
     assert len(keys) == expected
@@ -149,7 +159,9 @@ def test_numpy_arrays_accepted() -> None:
     expected = chunk_keys(ids, NS, 4)
     assert chunk_keys(np.array(ids, dtype=np.int64), NS, 4) == expected
     assert chunk_keys(np.array(ids, dtype=np.uint32), NS, 4) == expected
-    assert chunk_keys(np.array([2**40] * 4, dtype=np.uint64), NS, 4) == chunk_keys([2**40] * 4, NS, 4)
+    assert chunk_keys(np.array([2**40] * 4, dtype=np.uint64), NS, 4) == chunk_keys(
+        [2**40] * 4, NS, 4
+    )
     with pytest.raises(ValueError):
         chunk_keys(np.array([1, -1], dtype=np.int64), NS, 2)
     with pytest.raises(TypeError):
@@ -169,11 +181,25 @@ def test_valid_keys(key: str) -> None:
     assert check_key(key) == key
 
 
-@pytest.mark.parametrize("key", [
-    VALID.upper(), VALID[:31], VALID + "0", "g" * 32, "", None, 123, VALID.encode(),
-    VALID[:31] + "\n", VALID + "\n", " " + VALID[:31], "../etc/passwd", "../" + VALID[3:],
-    VALID[:16] + "-" + VALID[17:],
-])
+@pytest.mark.parametrize(
+    "key",
+    [
+        VALID.upper(),
+        VALID[:31],
+        VALID + "0",
+        "g" * 32,
+        "",
+        None,
+        123,
+        VALID.encode(),
+        VALID[:31] + "\n",
+        VALID + "\n",
+        " " + VALID[:31],
+        "../etc/passwd",
+        "../" + VALID[3:],
+        VALID[:16] + "-" + VALID[17:],
+    ],
+)
 def test_invalid_keys(key: object) -> None:
     assert not is_valid_key(key)
     with pytest.raises(ValueError, match="32 lowercase hex"):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import hashlib
 import random
 
+import pytest
+
 from polarkv_lib.manager.allocator import size_class
-from polarkv_lib.manager.metadata import WRITE_GRACE, AllocStatus, Entry, Metadata, Node, State
+from polarkv_lib.manager.core import Metadata
+from polarkv_lib.manager.model import WRITE_GRACE, AllocStatus, Entry, Node, NodeIdInUse, State
 
 KiB = 1024
 CHUNK = 64 * KiB  # a size that is its own size class
@@ -199,9 +202,9 @@ def test_lookup_lease_counts_readers() -> None:
     assert md.stats()["read_leases"] == 2
     _, l3 = md.lookup([B], take_lease=True)
     assert l3 is None  # nothing to protect, no lease
-    assert md.release([l1, "0" * 16]) == 1
+    assert md.release([l1, "0" * 16]).released == 1
     assert a.readers == 1
-    assert md.release([l1]) == 0  # already released: no double unref
+    assert md.release([l1]).released == 0  # already released: no double unref
     assert a.readers == 1
     md.release([l2])
     assert a.readers == 0 and md.stats()["read_leases"] == 0
@@ -450,12 +453,21 @@ def test_quarantined_space_is_not_evictable_room() -> None:
 # -- corruption reports and deletes -------------------------------------------------------
 
 
+def reported(md: Metadata, leases: list[str], corrupt: list[str], bad: bool | None = True) -> int:
+    """Release with a corruption report, then what the slab's bytes said (the shell
+    reads them, manager/verify.py). Returns the leases released."""
+    out = md.release(leases, corrupt)
+    for entry in out.suspects:
+        md.corrupt_verified(entry, entry.gen, bad)
+    return out.released
+
+
 def test_release_with_corrupt_key_drops_it() -> None:
     md, _, node = make()
     fill(md, [A, B])
     _, lease = md.lookup([A], take_lease=True)
     assert lease is not None
-    assert md.release([lease], corrupt=[A]) == 1
+    assert reported(md, [lease], [A]) == 1
     assert md.get(A) is None
     assert md.counters.checksum_failures == 1
     assert node.allocator.used == CHUNK  # A's extent is free again
@@ -469,17 +481,34 @@ def test_corrupt_report_needs_a_released_lease_holding_the_key() -> None:
     _, lease_b = md.lookup([B], take_lease=True)
     assert lease_a and lease_b
     # B is not under lease_a; an unknown lease holds nothing; no lease at all holds nothing
-    md.release([lease_a], corrupt=[B])
-    md.release(["0" * 16], corrupt=[B])
-    md.release([], corrupt=[A, B])
+    reported(md, [lease_a], [B])
+    reported(md, ["0" * 16], [B])
+    reported(md, [], [A, B])
     assert md.get(A) is not None and md.get(B) is not None
     assert md.counters.checksum_failures == 0
     assert node.allocator.used == 2 * CHUNK
     # a lease already released cannot be used to report later
-    md.release([lease_a], corrupt=[A])
+    reported(md, [lease_a], [A])
     assert md.get(A) is not None
-    md.release([lease_b], corrupt=[B])
+    reported(md, [lease_b], [B])
     assert md.get(B) is None and md.counters.checksum_failures == 1
+
+
+def test_a_corruption_report_drops_nothing_until_the_bytes_bear_it_out() -> None:
+    md, _, node = make()
+    fill(md, [A, B])
+    _, lease = md.lookup([A, B], take_lease=True)
+    assert lease is not None
+    out = md.release([lease], [A, B, A])
+    assert [e.key for e in out.suspects] == [A, B] and md.get(A) and md.get(B)
+    a, b = out.suspects
+    assert not md.corrupt_verified(a, a.gen, False)  # the bytes match: a false report
+    assert not md.corrupt_verified(b, b.gen, None)  # could not be read: not obeyed either
+    assert md.get(A) is a and md.get(B) is b and node.allocator.used == 2 * CHUNK
+    c = md.counters
+    assert (c.corrupt_reports, c.corrupt_reports_rejected, c.checksum_failures) == (2, 1, 0)
+    assert not md.corrupt_verified(a, a.gen + 1, True)  # another generation: not this entry
+    assert md.corrupt_verified(a, a.gen, True) and md.get(A) is None and c.checksum_failures == 1
 
 
 def test_corrupt_entry_still_read_by_another_lease_keeps_its_extent() -> None:
@@ -488,10 +517,10 @@ def test_corrupt_entry_still_read_by_another_lease_keeps_its_extent() -> None:
     _, l1 = md.lookup([A], take_lease=True)
     _, l2 = md.lookup([A], take_lease=True)
     assert l1 and l2
-    md.release([l1], corrupt=[A])
+    reported(md, [l1], [A])
     assert md.get(A) is None
     assert node.allocator.used == CHUNK  # l2's reader may still be copying the bytes
-    md.release([l2], corrupt=[A])  # reported twice: counted once
+    reported(md, [l2], [A])  # reported twice: counted once
     assert md.counters.checksum_failures == 1
     assert node.allocator.used == 0
 
@@ -531,7 +560,7 @@ def test_deleted_entry_read_lease_expiry_frees_extent() -> None:
     assert node.allocator.used == CHUNK
     tick(md, clock, READ_TTL + 1)
     assert node.allocator.used == 0
-    assert md.release([lease]) == 0  # type: ignore[list-item]
+    assert md.release([lease]).released == 0  # type: ignore[list-item]
 
 
 # -- node liveness ------------------------------------------------------------------------
@@ -564,28 +593,43 @@ def test_heartbeats_keep_node_alive() -> None:
 
 
 def test_reregister_new_incarnation_drops_old_entries() -> None:
-    md, _, old = make()
+    md, clock, old = make()
     fill(md, [A, B])
     _, lease = md.lookup([A], take_lease=True)
     assert lease is not None
+    clock.now += HB_TTL / 2  # the node restarted: silent that long
     node, new = md.register("n1", 2, "127.0.0.1:9001", 4 * CHUNK, "", "", ["tcp"])
     assert new and node is not old and not old.alive
     assert md.get(A) is None and md.get(B) is None
     assert node.allocator.used == 0
     store(md, C)
     # releasing a lease on the dead incarnation must not touch the new node's allocator
-    md.release([lease], corrupt=[A])
+    reported(md, [lease], [A])
     assert node.allocator.used == CHUNK
     assert md.stats()["nodes"] == 1 and md.stats()["keys_memory"] == 1
 
 
 def test_reregister_same_incarnation_new_capacity_is_a_new_node() -> None:
-    md, _, old = make()
+    md, clock, old = make()
     store(md, A)
+    clock.now += HB_TTL / 2
     node, new = md.register("n1", 1, "127.0.0.1:9001", 8 * CHUNK, "", "", ["tcp"])
     assert new and node is not old
     assert md.get(A) is None
     assert md.stats()["capacity_memory"] == 8 * CHUNK
+
+
+def test_registering_over_a_live_node_is_refused_and_drops_nothing() -> None:
+    md, clock, node = make()
+    store(md, A)
+    clock.now += HB_TTL / 4  # it heartbeats three times per TTL: this one is alive
+    for incarnation, capacity in ((2, 4 * CHUNK), (1, 1 << 40)):  # a stranger, however it claims
+        with pytest.raises(NodeIdInUse) as refused:
+            md.register("n1", incarnation, "10.0.0.66:9001", capacity, "", "", ["tcp"])
+        assert refused.value.status == 409
+    assert node.alive and md.nodes["n1"] is node and md.get(A) is not None
+    assert md.heartbeat("n1", 1)
+    assert md.register("n1", 1, "127.0.0.1:9001", 4 * CHUNK, "", "", ["tcp"]) == (node, False)
 
 
 def test_commit_after_node_death_reports_dropped() -> None:

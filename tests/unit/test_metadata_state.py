@@ -14,12 +14,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from polarkv_lib.manager.metadata import (
+from polarkv_lib.manager.core import Metadata
+from polarkv_lib.manager.model import (
     WRITE_GRACE,
     AllocResult,
     AllocStatus,
     Entry,
-    Metadata,
     State,
 )
 
@@ -211,7 +211,9 @@ class MetadataMachine(RuleBasedStateMachine):
                                      unique=True, max_size=2))
         before = {k: self.md.get(k) for k in corrupt}
         failures = self.md.counters.checksum_failures
-        self.md.release(leases, corrupt)
+        out = self.md.release(leases, corrupt)
+        for entry in out.suspects:  # the slab's bytes bear every report out here
+            self.md.corrupt_verified(entry, entry.gen, True)
         for lid in leases:
             assert lid not in self.md.read_leases
         for k in corrupt:
@@ -258,6 +260,7 @@ class MetadataMachine(RuleBasedStateMachine):
             return
         if event == "restart":
             old = self.md.nodes[node_id]
+            old.last_heartbeat = min(old.last_heartbeat, self.clock.now - HB_TTL / 2)  # it was down a while
             self._register(node_id)
             assert not old.alive
             assert all(e.dropped for e in self.entries if e.node is old)

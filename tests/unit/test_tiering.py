@@ -12,20 +12,20 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from polarkv_lib.manager.metadata import (
+from polarkv_lib.manager.core import Metadata
+from polarkv_lib.manager.model import (
     ORDER_TIMEOUT,
     AllocStatus,
     Entry,
-    Metadata,
     Node,
     State,
 )
+from polarkv_lib.wire.orders import Order, TierOp
 
 KiB = 1024
 CHUNK = 64 * KiB  # its own size class
@@ -83,17 +83,17 @@ def fill(md: Metadata, keys: list[str]) -> None:
         store(md, [k])
 
 
-def ops(orders: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    return [(o["op"], o["key"]) for o in orders]
+def ops(orders: list[Order]) -> list[tuple[str, str]]:
+    return [(o.op, o.key) for o in orders]
 
 
-def answer(md: Metadata, orders: list[dict[str, Any]], ok: bool = True, reason: str = "") -> None:
+def answer(md: Metadata, orders: list[Order], ok: bool = True, reason: str = "") -> None:
     """Play the disk role: report every offload / reload order done (or failed)."""
     for o in orders:
-        if o["op"] == "offload":
-            md.offload_done(o["node"], o["key"], o["gen"], ok, reason, FILE if ok else 0)
-        elif o["op"] == "reload":
-            md.reload_done(o["node"], o["key"], o["gen"], ok, reason)
+        if o.op == "offload":
+            md.offload_done(o.node, o.key, o.gen, ok, reason, FILE if ok else 0)
+        elif o.op == "reload":
+            md.reload_done(o.node, o.key, o.gen, ok, reason)
 
 
 def tiers(md: Metadata, k: str) -> list[str]:
@@ -108,10 +108,9 @@ def adopt(md: Metadata, node: Node, keys: list[str]) -> list[Entry]:
     return [md.get(k) for k in keys]  # type: ignore[misc]
 
 
-def order_for(entry: Entry, op: str) -> dict[str, Any]:
-    return {"op": op, "key": entry.key, "gen": entry.gen, "node": entry.node.node_id,
-            "offset": entry.offset, "size": entry.size, "extent": entry.alloc_size,
-            "checksum": entry.checksum}
+def order_for(entry: Entry, op: str) -> Order:
+    return Order(TierOp(op), entry.key, entry.gen, entry.node.node_id, entry.offset, entry.size,
+                 entry.alloc_size, entry.checksum)
 
 
 # -- planning -----------------------------------------------------------------------------
@@ -126,8 +125,8 @@ def test_plan_tiering_orders_only_nodes_with_a_disk() -> None:
     assert md.plan_tiering() == ["d1"]
     assert p.orders == [] and md.take_orders("p1") == []
     orders = md.take_orders("d1")
-    assert orders and all(o["op"] == "offload" and o["node"] == "d1" for o in orders)
-    assert all(md.get(o["key"]).node is d for o in orders)  # type: ignore[union-attr]
+    assert orders and all(o.op == "offload" and o.node == "d1" for o in orders)
+    assert all(md.get(o.key).node is d for o in orders)  # type: ignore[union-attr]
     assert md.take_orders("d1") == []  # drained
     assert md.take_orders("nope") == []
 
@@ -164,7 +163,7 @@ def test_offload_takes_lru_entries_tail_of_a_prefix_first() -> None:
     orders = md.take_orders("d1")
     assert ops(orders) == [("offload", k) for k in (p[4], p[3], p[2], q[3])]
     for o in orders:
-        e = md.get(o["key"])
+        e = md.get(o.key)
         assert e is not None and o == order_for(e, "offload")
         assert e.offloading and e.in_memory and not e.on_disk
         assert md.describe(e.key)["offloading"] is True  # type: ignore[index]
@@ -272,7 +271,7 @@ def test_offload_done_ok_leaves_the_entry_on_disk_only() -> None:
     (order,) = md.take_orders("d1")
     e = md.get(K[0])
     assert e is not None and order == order_for(e, "offload")
-    md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
+    md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     assert e.on_disk and not e.in_memory and not e.offloading and e.alloc_size == 0
     assert e.file_bytes == FILE and e.state is State.READY
     assert K[0] not in d.lru and list(d.disk_lru) == [K[0]]
@@ -283,7 +282,7 @@ def test_offload_done_ok_leaves_the_entry_on_disk_only() -> None:
     assert (stats["keys_disk"], stats["bytes_disk"], stats["capacity_disk"]) == (1, FILE, 20 * FILE)
     assert (stats["offloads"], stats["offload_bytes"], stats["bytes_offloading"]) == (1, CHUNK, 0)
     # the same answer again changes nothing
-    md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
+    md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     assert d.disk_used == FILE and md.counters.offloads == 1 and d.orders == []
     # a probe finds it on disk and moves nothing
     hits, lease = md.lookup([K[0]], take_lease=False)
@@ -300,7 +299,7 @@ def test_leased_entry_keeps_its_memory_copy_until_the_next_plan() -> None:
     _, lease = md.lookup([K[0]], take_lease=True)  # a reader arrives during the offload
     assert lease is not None
     md.lookup(K[1:9], take_lease=False)  # K0 is the least recently used again
-    md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
+    md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     assert tiers(md, K[0]) == ["memory", "disk"]  # the reader's bytes stay where they are
     assert d.allocator.used == 9 * CHUNK and d.disk_used == FILE
     assert K[0] in d.lru and K[0] in d.disk_lru
@@ -321,7 +320,7 @@ def with_a_clean_copy() -> tuple[Metadata, Node]:
     (order,) = md.take_orders("d1")
     _, lease = md.lookup([K[0]], take_lease=True)  # keeps its memory copy past the offload
     md.lookup(K[1:9], take_lease=False)
-    md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
+    md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     md.release([lease])
     return md, d
 
@@ -352,7 +351,7 @@ def test_offload_disk_full_degrades_to_eviction() -> None:
     assert md.counters.tier_failures == {"offload_disk_full": 2}
     assert md.stats()["tier_failures"] == 2
     assert d.orders == [] and d.disk_used == 0  # no file was written, none to delete
-    assert md.release([lease]) == 1
+    assert md.release([lease]).released == 1
 
 
 def test_offload_io_error_keeps_the_entry_for_another_try() -> None:
@@ -383,7 +382,7 @@ def test_disk_hit_reloads_into_the_same_node() -> None:
     assert d1.allocator.used == CHUNK and d2.allocator.used == 0 and p.allocator.used == 0
     assert x.offset >= 0 and x.offset + x.alloc_size <= int(d1.capacity * md.memory_high)
     (order,) = md.take_orders("d1")
-    assert order == order_for(x, "reload") and order["node"] == "d1"
+    assert order == order_for(x, "reload") and order.node == "d1"
     assert md.take_orders("d2") == [] and md.take_orders("p1") == []
     assert d1.reloads == {x.gen: x}
     view = md.describe(X)
@@ -400,14 +399,14 @@ def test_store_offload_reload_round_trip_stays_on_its_node() -> None:
     md.plan_tiering()
     for node in (d1, d2):
         orders = md.take_orders(node.node_id)
-        assert orders and all(md.get(o["key"]).node is node for o in orders)  # type: ignore[union-attr]
+        assert orders and all(md.get(o.key).node is node for o in orders)  # type: ignore[union-attr]
         answer(md, orders)
     on_d1 = next(e for e in d1.disk_lru.values())
     hits, lease = md.lookup([on_d1.key], take_lease=True)
     assert hits == [on_d1] and on_d1.reloading
     assert md.take_orders("d2") == []
     (order,) = md.take_orders("d1")
-    assert order["op"] == "reload" and order["node"] == "d1"
+    assert order.op == "reload" and order.node == "d1"
     answer(md, [order])
     assert md.settle_lookup(lease, hits) == [on_d1]
     assert on_d1.node is d1 and tiers(md, on_d1.key) == ["memory", "disk"]
@@ -421,9 +420,9 @@ def test_concurrent_lookups_share_one_reload() -> None:
     assert hits1 == hits2 == [x] and l1 and l2 and l1 != l2
     assert x.readers == 2 and d.allocator.used == CHUNK  # one extent
     (order,) = md.take_orders("d1")  # one reload
-    assert order["op"] == "reload"
+    assert order.op == "reload"
     assert md.counters.hits_disk == 2
-    md.reload_done("d1", X, order["gen"], True)
+    md.reload_done("d1", X, order.gen, True)
     assert md.settle_lookup(l1, hits1) == [x]
     assert md.settle_lookup(l2, hits2) == [x]
     assert x.readers == 2 and md.read_leases[l1].entries == [x]
@@ -447,7 +446,7 @@ def test_reload_checksum_failure_drops_the_entry_and_ends_the_prefix() -> None:
     hits, lease = md.lookup([K[0], X, K[2]], take_lease=True)
     assert hits == [m0, x, m2] and lease is not None
     (order,) = md.take_orders("d1")
-    md.reload_done("d1", X, order["gen"], False, "checksum")
+    md.reload_done("d1", X, order.gen, False, "checksum")
     assert md.get(X) is None and x.dropped
     assert md.counters.checksum_failures == 1
     assert md.counters.tier_failures == {"reload_checksum": 1}
@@ -459,7 +458,7 @@ def test_reload_checksum_failure_drops_the_entry_and_ends_the_prefix() -> None:
     assert tiers(md, K[2]) == ["memory"]  # only the lookup lost it, not the cache
     stats = md.stats()
     assert (stats["hits"], stats["misses"], stats["keys_disk"], stats["bytes_disk"]) == (1, 2, 0, 0)
-    assert md.release([lease]) == 1 and m0.readers == 0
+    assert md.release([lease]).released == 1 and m0.readers == 0
 
 
 def test_settle_lookup_keeps_the_memory_and_disk_hit_counters_apart() -> None:
@@ -469,7 +468,7 @@ def test_settle_lookup_keeps_the_memory_and_disk_hit_counters_apart() -> None:
     hits, lease = md.lookup([X, K[1]], take_lease=True)
     assert len(hits) == 2 and md.counters.hits_disk == 1 and md.counters.hits_memory == 1
     (order,) = md.take_orders("d1")
-    md.reload_done("d1", X, order["gen"], False, "checksum")
+    md.reload_done("d1", X, order.gen, False, "checksum")
     assert md.settle_lookup(lease, hits) == []
     stats = md.stats()
     assert stats["hits"] == 0 and stats["misses"] == 2
@@ -484,7 +483,7 @@ def test_settle_before_the_reload_answers_ends_the_prefix_there() -> None:
     (order,) = md.take_orders("d1")
     assert md.settle_lookup(lease, hits) == [m0]  # the caller stopped waiting
     assert x.readers == 0 and x.reloading and md.read_leases[lease].entries == [m0]
-    md.reload_done("d1", X, order["gen"], True)  # it lands later, for the next reader
+    md.reload_done("d1", X, order.gen, True)  # it lands later, for the next reader
     assert tiers(md, X) == ["memory", "disk"]
     hits2, _ = md.lookup([K[0], X], take_lease=False)
     assert hits2 == [m0, x] and md.take_orders("d1") == []
@@ -543,8 +542,8 @@ def test_disk_lru_deletes_the_oldest_files_above_disk_high() -> None:
     assert md.plan_tiering() == ["d1"]
     orders = md.take_orders("d1")
     assert ops(orders) == [("delete", K[0]), ("delete", files[1]), ("delete", files[2])]
-    assert [o["gen"] for o in orders] == [m.gen, gens[files[1]], gens[files[2]]]
-    assert all(o["node"] == "d1" for o in orders)
+    assert [o.gen for o in orders] == [m.gen, gens[files[1]], gens[files[2]]]
+    assert all(o.node == "d1" for o in orders)
     assert d.disk_used == 9 * FILE and md.counters.disk_evictions == 3
     assert tiers(md, K[0]) == ["memory"]  # lost its file, kept its memory copy
     assert md.get(files[1]) is None and md.get(files[2]) is None  # disk-only: gone
@@ -577,7 +576,7 @@ def test_files_under_a_reload_are_not_deleted_for_room() -> None:
     orders = md.take_orders("d1")
     assert ops(orders) == [("delete", Z), ("reload", X), ("offload", K[0])]
     assert x.on_disk and x.reloading and md.get(Z) is None
-    assert md.release([lease]) == 1  # type: ignore[list-item]
+    assert md.release([lease]).released == 1  # type: ignore[list-item]
 
 
 def test_offloads_in_flight_keep_their_disk_room() -> None:
@@ -603,7 +602,7 @@ def test_delete_of_disk_entries_queues_file_deletes() -> None:
     md.plan_tiering()
     (order,) = md.take_orders("d1")
     _, lease = md.lookup([K[0]], take_lease=True)
-    md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
+    md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     md.release([lease])
     assert tiers(md, K[0]) == ["memory", "disk"]
     assert md.delete(K[0])
@@ -623,7 +622,7 @@ def test_deleting_a_leased_disk_entry_keeps_its_reload_extent_until_released() -
     assert md.delete(X)
     assert ops(md.take_orders("d1")) == [("delete", X)]
     assert d.allocator.used == CHUNK  # the disk role may still be writing into it
-    md.reload_done("d1", X, reload["gen"], True)
+    md.reload_done("d1", X, reload.gen, True)
     assert d.allocator.used == CHUNK and x.readers == 1  # and now a reader holds it
     assert md.settle_lookup(lease, hits) == []
     assert d.allocator.used == 0 and md.get(X) is None
@@ -636,16 +635,16 @@ def test_dropped_offloading_entry_has_its_file_deleted_when_the_offload_reports(
     (order,) = md.take_orders("d1")
     assert md.delete(K[0])
     assert d.offloading_bytes == 0 and d.orders == []  # no file yet
-    md.offload_done("d1", K[0], order["gen"], True, file_bytes=FILE)
+    md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     assert ops(md.take_orders("d1")) == [("delete", K[0])]
     assert d.disk_used == 0 and md.counters.offloads == 0 and md.stats()["keys_disk"] == 0
     # a failed offload of a dropped entry left no file behind: nothing to delete
     store(md, [K[0]])
     md.plan_tiering()
     (order,) = md.take_orders("d1")
-    assert order["key"] == K[1]
+    assert order.key == K[1]
     md.delete(K[1])
-    md.offload_done("d1", K[1], order["gen"], False, "io_error")
+    md.offload_done("d1", K[1], order.gen, False, "io_error")
     assert md.take_orders("d1") == []
 
 
@@ -654,17 +653,17 @@ def test_a_stale_offload_answer_does_not_delete_the_current_file() -> None:
     fill(md, K[:9])
     md.plan_tiering()
     (old,) = md.take_orders("d1")
-    assert old["key"] == K[0]
+    assert old.key == K[0]
     md.delete(K[0])  # dropped during its offload
     store(md, [K[0]])  # and stored again: a new generation
     _, lease = md.lookup(K[1:9], take_lease=True)
     md.allocate([(K[9], CHUNK)])
     md.plan_tiering()
     (new,) = md.take_orders("d1")
-    assert new["key"] == K[0] and new["gen"] != old["gen"]
-    md.offload_done("d1", K[0], new["gen"], True, file_bytes=FILE)
+    assert new.key == K[0] and new.gen != old.gen
+    md.offload_done("d1", K[0], new.gen, True, file_bytes=FILE)
     assert tiers(md, K[0]) == ["disk"]
-    md.offload_done("d1", K[0], old["gen"], True, file_bytes=FILE)  # the old one, late
+    md.offload_done("d1", K[0], old.gen, True, file_bytes=FILE)  # the old one, late
     assert ("delete", K[0]) not in ops(md.take_orders("d1"))
     del lease
 
@@ -693,7 +692,7 @@ def test_node_death_drops_everything_without_orders() -> None:
     assert md.unregister("d1", 1)
     assert d.orders == [] and md.take_orders("d1") == []  # nothing for a dead disk role
     assert md.get(X) is None and md.get(Y) is None
-    assert all(md.get(o["key"]) is None for o in offloads)
+    assert all(md.get(o.key) is None for o in offloads)
     assert md.counters.entries_lost == lost
     stats = md.stats()
     assert stats["keys_disk"] == len(other.disk_lru) == 4
@@ -701,7 +700,7 @@ def test_node_death_drops_everything_without_orders() -> None:
     # late answers of the dead incarnation change nothing
     answer(md, offloads[2:] + reloads)
     assert d.orders == [] and md.counters.offloads == offloaded and md.counters.reloads == 0
-    assert md.release([lease, lease_y]) == 2  # type: ignore[list-item]
+    assert md.release([lease, lease_y]).released == 2  # type: ignore[list-item]
     assert other.alive and all(e.node is other for t in md.partitions for e in t.values())
     # it comes back as a new incarnation and reports its files again
     back = add(md, "d1", 10, disk_files=20, incarnation=2)
@@ -775,7 +774,7 @@ def test_unanswered_orders_time_out() -> None:
     (reload,) = md.take_orders("d1")
     md.plan_tiering()
     (offload,) = md.take_orders("d1")
-    k0 = md.get(offload["key"])
+    k0 = md.get(offload.key)
     assert k0 is not None and k0.offloading
     clock.now += ORDER_TIMEOUT - 1
     md.expire()  # one long step: the manager stalled, the nodes are not blamed
@@ -790,12 +789,12 @@ def test_unanswered_orders_time_out() -> None:
     assert d.allocator.used == 9 * CHUNK and len(d.quarantine) == 1
     md.take_orders("d1")
     # answers arriving after the timeout: the late file is not wanted, the late reload ignored
-    md.offload_done("d1", k0.key, offload["gen"], True, file_bytes=FILE)
+    md.offload_done("d1", k0.key, offload.gen, True, file_bytes=FILE)
     assert ops(md.take_orders("d1")) == [("delete", k0.key)]
     assert tiers(md, k0.key) == ["memory"] and d.disk_used == FILE
-    md.reload_done("d1", X, reload["gen"], True)
+    md.reload_done("d1", X, reload.gen, True)
     assert tiers(md, X) == ["disk"] and md.counters.reloads == 0
-    assert md.release([lease]) == 0  # type: ignore[list-item]  # it ran out meanwhile
+    assert md.release([lease]).released == 0  # type: ignore[list-item]  # it ran out meanwhile
     clock.now += ORDER_TIMEOUT
     md.expire()  # another stall-sized step: the quarantined extent comes back
     assert d.alive and d.quarantine == [] and d.allocator.used == 8 * CHUNK
@@ -839,7 +838,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.write_lease_ids: list[str] = []
         self.read_lease_ids: list[str] = []
         self.unsettled: list[tuple[str | None, list[Entry]]] = []  # lookups that took a lease
-        self.in_flight: dict[str, list[dict[str, Any]]] = {n: [] for n in MACHINE_NODES}
+        self.in_flight: dict[str, list[Order]] = {n: [] for n in MACHINE_NODES}
         self.disks: dict[str, dict[str, tuple[int, str, int]]] = {n: {} for n in MACHINE_NODES}
         for node_id in MACHINE_NODES:
             self._register(node_id)
@@ -871,8 +870,8 @@ class TieringMachine(RuleBasedStateMachine):
             for e in t.values():
                 self.seen.setdefault(id(e), e)
 
-    def _entry_of(self, order: dict[str, Any]) -> Entry | None:
-        return next((e for e in self.seen.values() if e.gen == order["gen"] and e.key == order["key"]), None)
+    def _entry_of(self, order: Order) -> Entry | None:
+        return next((e for e in self.seen.values() if e.gen == order.gen and e.key == order.key), None)
 
     def _table(self) -> list[Entry]:
         return [e for t in self.md.partitions for e in t.values()]
@@ -930,7 +929,7 @@ class TieringMachine(RuleBasedStateMachine):
         assert self.md.delete(k) == (entry is not None)
         if had_file:
             assert entry is not None
-            assert any(o["op"] == "delete" and o["key"] == k and o["gen"] == entry.gen
+            assert any(o.op == "delete" and o.key == k and o.gen == entry.gen
                        for o in entry.node.orders)
 
     # -- reads ----------------------------------------------------------------------------
@@ -961,7 +960,7 @@ class TieringMachine(RuleBasedStateMachine):
                 if e.reloading:
                     node = e.node
                     assert node.has_disk and node.reloads.get(e.gen) is e
-                    assert any(o["op"] == "reload" and o["gen"] == e.gen
+                    assert any(o.op == "reload" and o.gen == e.gen
                                for o in node.orders + self.in_flight[node.node_id])
         if lease is not None:
             self.read_lease_ids.append(lease)
@@ -974,8 +973,8 @@ class TieringMachine(RuleBasedStateMachine):
         hits, lease = self._lookup(self._draw_keys(data), True)
         for node_id in sorted({e.node.node_id for e in hits if e.reloading}):
             self.take_orders(node_id)
-            orders = [o for o in self.in_flight[node_id] if o["op"] == "reload"]
-            self.in_flight[node_id] = [o for o in self.in_flight[node_id] if o["op"] != "reload"]
+            orders = [o for o in self.in_flight[node_id] if o.op == "reload"]
+            self.in_flight[node_id] = [o for o in self.in_flight[node_id] if o.op != "reload"]
             for o in orders:
                 ok = data.draw(st.sampled_from([True] * 4 + [False]))
                 self._answer(node_id, o, ok, data.draw(st.sampled_from(RELOAD_FAILURES)))
@@ -1009,7 +1008,9 @@ class TieringMachine(RuleBasedStateMachine):
         held = sorted({e.key for lid in leases if lid in self.md.read_leases
                        for e in self.md.read_leases[lid].entries})
         corrupt = data.draw(st.lists(st.sampled_from(held or MACHINE_KEYS[:1]), unique=True, max_size=1))
-        self.md.release(leases, corrupt)
+        out = self.md.release(leases, corrupt)
+        for entry in out.suspects:  # the slab's bytes bear every report out here
+            self.md.corrupt_verified(entry, entry.gen, data.draw(st.sampled_from([True, False, None])))
 
     # -- tiering --------------------------------------------------------------------------
 
@@ -1028,17 +1029,17 @@ class TieringMachine(RuleBasedStateMachine):
         if not node.has_disk or not node.alive:
             assert orders == []
             return
-        kinds = [o["op"] for o in orders]
+        kinds = [o.op for o in orders]
         assert kinds == sorted(kinds, key=lambda op: op != "delete")  # deletes first
         for o in orders:
-            assert o["node"] == node_id  # tiering stays inside the node
-            if o["op"] == "delete":
-                self.disks[node_id].pop(o["key"], None)
+            assert o.node == node_id  # tiering stays inside the node
+            if o.op == "delete":
+                self.disks[node_id].pop(o.key, None)
                 continue
             entry = self._entry_of(o)
             assert entry is not None and entry.node is node, o
-            assert o["offset"] >= 0 and o["offset"] + o["extent"] <= node.allocator.capacity
-            assert o["size"] == entry.size <= o["extent"]
+            assert o.offset >= 0 and o.offset + o.extent <= node.allocator.capacity
+            assert o.size == entry.size <= o.extent
             self.in_flight[node_id].append(o)
 
     @rule(data=st.data(), ok=st.booleans())
@@ -1048,7 +1049,7 @@ class TieringMachine(RuleBasedStateMachine):
             return
         node_id, i = data.draw(st.sampled_from(pending))
         o = self.in_flight[node_id].pop(i)
-        failures = OFFLOAD_FAILURES if o["op"] == "offload" else RELOAD_FAILURES
+        failures = OFFLOAD_FAILURES if o.op == "offload" else RELOAD_FAILURES
         self._answer(node_id, o, ok, data.draw(st.sampled_from(failures)))
 
     @rule(data=st.data(), node_id=st.sampled_from(["d1", "d2"]))
@@ -1060,24 +1061,24 @@ class TieringMachine(RuleBasedStateMachine):
         orders, self.in_flight[node_id] = self.in_flight[node_id], []
         for o in orders:
             ok = data.draw(st.sampled_from([True] * 4 + [False]))
-            failures = OFFLOAD_FAILURES if o["op"] == "offload" else RELOAD_FAILURES
+            failures = OFFLOAD_FAILURES if o.op == "offload" else RELOAD_FAILURES
             self._answer(node_id, o, ok, data.draw(st.sampled_from(failures)))
 
-    def _answer(self, node_id: str, o: dict[str, Any], ok: bool, reason: str) -> None:
+    def _answer(self, node_id: str, o: Order, ok: bool, reason: str) -> None:
         disk = self.disks[node_id]
-        if o["op"] == "offload":
+        if o.op == "offload":
             if ok:
-                disk[o["key"]] = (o["size"], o["checksum"], o["size"] + HEADER)
-            self.md.offload_done(node_id, o["key"], o["gen"], ok, "" if ok else reason,
-                                 o["size"] + HEADER if ok else 0)
+                disk[o.key] = (o.size, o.checksum, o.size + HEADER)
+            self.md.offload_done(node_id, o.key, o.gen, ok, "" if ok else reason,
+                                 o.size + HEADER if ok else 0)
             return
-        if o["key"] not in disk:  # a delete or a stale answer took the file
+        if o.key not in disk:  # a delete or a stale answer took the file
             ok, reason = False, "missing"
         elif not ok and reason == "checksum":
-            del disk[o["key"]]  # the disk role deletes a broken file itself
+            del disk[o.key]  # the disk role deletes a broken file itself
         entry = self._entry_of(o)
         awaited = entry is not None and entry.reloading  # not timed out meanwhile
-        self.md.reload_done(node_id, o["key"], o["gen"], ok, "" if ok else reason)
+        self.md.reload_done(node_id, o.key, o.gen, ok, "" if ok else reason)
         if ok and awaited and entry is not None and not entry.dropped and entry.node.alive:
             assert entry.in_memory and not entry.reloading and entry.key in entry.node.lru
 
@@ -1089,6 +1090,7 @@ class TieringMachine(RuleBasedStateMachine):
     def time_passes(self, seconds: float, event: str, node_id: str) -> None:
         if event == "restart":
             old = self.md.nodes[node_id]
+            old.last_heartbeat = min(old.last_heartbeat, self.clock.now - HB_TTL / 2)  # it was down a while
             self._register(node_id)
             assert not old.alive and old.orders == []
             return
@@ -1182,8 +1184,8 @@ class TieringMachine(RuleBasedStateMachine):
     def orders_name_the_node_that_holds_the_entry(self) -> None:
         for node in self.md.nodes.values():
             for o in node.orders:
-                assert o["node"] == node.node_id
-                if o["op"] != "delete":
+                assert o.node == node.node_id
+                if o.op != "delete":
                     entry = self._entry_of(o)
                     assert entry is not None and entry.node is node
 

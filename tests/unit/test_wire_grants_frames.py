@@ -17,8 +17,13 @@ BUF = 1 << 20
 NOW = 1_700_000_000_000
 
 
-def make(op: Op = Op.READ, offset: int = 4096, length: int = 8192, expires_ms: int = NOW + 5000,
-         incarnation: int = INC) -> Grant:
+def make(
+    op: Op = Op.READ,
+    offset: int = 4096,
+    length: int = 8192,
+    expires_ms: int = NOW + 5000,
+    incarnation: int = INC,
+) -> Grant:
     return Grant(op, incarnation, offset, length, expires_ms)
 
 
@@ -45,8 +50,9 @@ def test_sign_has_fixed_size_and_round_trips() -> None:
     length=st.integers(1, 2**40),
     expires=st.integers(0, 2**64 - 1),
 )
-def test_decode_round_trips_any_grant(op: Op, incarnation: int, offset: int, length: int,
-                                      expires: int) -> None:
+def test_decode_round_trips_any_grant(
+    op: Op, incarnation: int, offset: int, length: int, expires: int
+) -> None:
     grant = Grant(op, incarnation, offset, length, expires)
     assert grants.decode(grants.sign(grant, KEY)) == grant
 
@@ -112,16 +118,19 @@ def test_expiry_boundary() -> None:
         grants.verify(blob, KEY, INC, BUF, now_ms=NOW + 1)
 
 
-@pytest.mark.parametrize(("offset", "length", "ok"), [
-    (0, BUF, True),
-    (BUF - 1, 1, True),
-    (0, BUF + 1, False),
-    (BUF - 4096, 4097, False),
-    (BUF, 1, False),
-    (2**63, 2**63, False),  # would wrap in a 64-bit sum
-    (0, 0, False),
-    (4096, 0, False),
-])
+@pytest.mark.parametrize(
+    ("offset", "length", "ok"),
+    [
+        (0, BUF, True),
+        (BUF - 1, 1, True),
+        (0, BUF + 1, False),
+        (BUF - 4096, 4097, False),
+        (BUF, 1, False),
+        (2**63, 2**63, False),  # would wrap in a 64-bit sum
+        (0, 0, False),
+        (4096, 0, False),
+    ],
+)
 def test_grant_must_lie_inside_the_buffer(offset: int, length: int, ok: bool) -> None:
     blob = grants.sign(make(offset=offset, length=length), KEY)
     if ok:

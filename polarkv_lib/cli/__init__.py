@@ -1,0 +1,1 @@
+"""Terminal commands beside the service itself: `polarkv admin ...` (admin.py)."""

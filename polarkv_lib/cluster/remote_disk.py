@@ -1,0 +1,229 @@
+"""Global pools, for experiments only: a node's disk tier served by another VM.
+
+PolarKV pairs each memory VM with its own disks so that tiering never crosses the
+network. To measure what that pairing saves, the cluster harness can instead give each
+memory VM's disk role a `RemoteDiskStore`: the same interface as `DiskStore`, but every
+offload ships the bytes to a `serve()` process on another memory VM, which writes them
+with a real `DiskStore`, and every reload fetches them back. Everything else (orders,
+checksums, the manager's decisions) is unchanged, so the only difference between the
+two layouts is where the tiering bytes travel. `disk.remote` selects it; it is never a
+default and has no place in a deployment.
+
+Wire format, one request at a time per connection (little-endian):
+    request:  "PKRD" | op u8 | key 16 bytes | size u64 | checksum u64  [+ size payload bytes]
+    response: "PKRD" | status u8 | length u64  [+ length bytes]
+op: 1 offload (reply: file bytes as u64), 2 reload (reply: the payload), 3 delete
+(reply: one byte, 1 if a file was deleted), 4 scan (reply: JSON list of
+[key, size, checksum, file_bytes]). A refusal answers status 1 and a JSON
+{"reason", "detail"} that the caller raises as the same DiskFailure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import socketserver
+import struct
+import sys
+import threading
+
+from polarkv_lib.config import parse_address, parse_size
+from polarkv_lib.errors import DiskFailure, Failure
+from polarkv_lib.node.disk import DiskCounters, DiskStore, FileInfo
+
+MAGIC = b"PKRD"
+_REQ = struct.Struct("<4sB16sQQ")
+_RESP = struct.Struct("<4sBQ")
+_U64 = struct.Struct("<Q")
+OFFLOAD, RELOAD, DELETE, SCAN = 1, 2, 3, 4
+TIMEOUT = 30.0
+
+
+def _fill(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def _recv(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    _fill(sock, memoryview(buf))
+    return buf
+
+
+class RemoteDiskStore(DiskStore):
+    """A DiskStore whose files live on another VM (see the module docstring). The
+    bookkeeping (`files`, `used`, counters) is kept here, as DiskStore keeps it."""
+
+    def __init__(self, remote: str, capacity: int) -> None:  # no super(): no local paths to probe
+        self.paths = [f"remote://{remote}"]
+        self.capacity = capacity
+        self.o_direct = False
+        self.used = 0
+        self.files: dict[str, FileInfo] = {}
+        self.counters = DiskCounters()
+        self._lock = threading.Lock()
+        self._remote = parse_address(remote)
+        self._local = threading.local()  # one connection per I/O thread
+
+    def _exchange(self, op: int, key: str, size: int = 0, checksum: str = "0",
+                  payload: memoryview | None = None, into: memoryview | None = None) -> bytearray:
+        """Send one request, read its reply; a refusal or any network fault raises
+        DiskFailure (a network fault also drops the connection)."""
+        sock: socket.socket | None = getattr(self._local, "sock", None)
+        try:
+            if sock is None:
+                sock = socket.create_connection(self._remote, timeout=TIMEOUT)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._local.sock = sock
+            sock.sendall(_REQ.pack(MAGIC, op, bytes.fromhex(key), size, int(checksum, 16)))
+            if payload is not None:
+                sock.sendall(payload)
+            magic, status, length = _RESP.unpack(_recv(sock, _RESP.size))
+            if magic != MAGIC:
+                raise ConnectionError("not a remote disk reply")
+            if status:
+                detail = json.loads(_recv(sock, length))
+                raise DiskFailure(Failure(detail["reason"]), f"remote disk: {detail['detail']}")
+            if into is not None:
+                if length != len(into):
+                    raise ConnectionError("reload reply of the wrong length")
+                _fill(sock, into)
+                return bytearray()
+            return _recv(sock, length)
+        except (OSError, ValueError, struct.error) as exc:
+            if sock is not None:
+                sock.close()
+            self._local.sock = None
+            raise DiskFailure(Failure.IO_ERROR, f"remote disk {self._remote}: {exc}") from None
+
+    def scan(self) -> list[FileInfo]:
+        rows = json.loads(self._exchange(SCAN, "0" * 32))
+        found = [FileInfo(k, int(s), c, int(b)) for k, s, c, b in rows]
+        with self._lock:
+            self.files = {f.key: f for f in found}
+            self.used = sum(f.file_bytes for f in found)
+        return found
+
+    def offload(self, key: str, region: memoryview, size: int, checksum: str) -> int:
+        need = self.file_bytes(size)
+        with self._lock:
+            old = self.files.get(key)
+            if self.used - (old.file_bytes if old else 0) + need > self.capacity:
+                raise DiskFailure(Failure.DISK_FULL, f"disk.capacity {self.capacity} reached")
+            self.used += need  # reserved, as DiskStore does
+        try:
+            _U64.unpack(self._exchange(OFFLOAD, key, size, checksum, payload=region[:size]))
+        except BaseException:
+            with self._lock:
+                self.used -= need
+            raise
+        with self._lock:
+            if old is not None:
+                self.used -= old.file_bytes
+            self.files[key] = FileInfo(key, size, checksum, need)
+            self.counters.offloads += 1
+            self.counters.offload_bytes += size
+        return need
+
+    def reload(self, key: str, region: memoryview, size: int, checksum: str) -> None:
+        try:
+            self._exchange(RELOAD, key, size, checksum, into=region[:size])
+        except DiskFailure as failure:
+            if failure.reason is not Failure.IO_ERROR:
+                self._forget(key)  # the server deleted a broken file
+            raise
+        with self._lock:
+            self.counters.reloads += 1
+            self.counters.reload_bytes += size
+
+    def delete(self, key: str) -> bool:
+        try:
+            deleted = self._exchange(DELETE, key) == b"\x01"
+        except DiskFailure:
+            deleted = False
+        self._forget(key)
+        if deleted:
+            with self._lock:
+                self.counters.deletes += 1
+        return deleted
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        store = self.server.store
+        while True:
+            try:
+                head = _recv(sock, _REQ.size)
+            except (ConnectionError, OSError):
+                return
+            magic, op, raw_key, size, checksum_int = _REQ.unpack(head)
+            if magic != MAGIC:
+                return
+            key, checksum = raw_key.hex(), f"{checksum_int:016x}"
+            try:
+                if op == OFFLOAD:
+                    data = _recv(sock, size)
+                    reply = _U64.pack(store.offload(key, memoryview(data), size, checksum))
+                elif op == RELOAD:
+                    out = bytearray(size)
+                    store.reload(key, memoryview(out), size, checksum)
+                    reply = bytes(out)
+                elif op == DELETE:
+                    reply = b"\x01" if store.delete(key) else b"\x00"
+                elif op == SCAN:
+                    reply = json.dumps([[f.key, f.size, f.checksum, f.file_bytes]
+                                        for f in store.files.values()]).encode()
+                else:
+                    return
+                sock.sendall(_RESP.pack(MAGIC, 0, len(reply)) + reply)
+            except DiskFailure as failure:
+                body = json.dumps({"reason": failure.reason.value, "detail": str(failure)}).encode()
+                sock.sendall(_RESP.pack(MAGIC, 1, len(body)) + body)
+            except (ConnectionError, OSError, ValueError):
+                return
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], store: DiskStore) -> None:
+        super().__init__(address, _Handler)
+        self.store = store
+
+
+def main(argv: list[str]) -> None:
+    """`python -m polarkv_lib.cluster.remote_disk --listen HOST:PORT --path DIR
+    --capacity SIZE [--ready-file F]`: serve a DiskStore to one remote disk role."""
+    parser = argparse.ArgumentParser(prog="polarkv_lib.cluster.remote_disk")
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--path", required=True)
+    parser.add_argument("--capacity", default="2GiB")
+    parser.add_argument("--ready-file", default="")
+    args = parser.parse_args(argv)
+    store = DiskStore((args.path,), parse_size(args.capacity), o_direct=False)
+    store.scan()
+    server = _Server(parse_address(args.listen), store)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    if args.ready_file:
+        with open(args.ready_file + ".tmp", "w") as fh:
+            json.dump({"pid": os.getpid(), "listen": args.listen}, fh)
+        os.replace(args.ready_file + ".tmp", args.ready_file)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

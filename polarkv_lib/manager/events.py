@@ -1,0 +1,80 @@
+"""A bounded ring of recent events that an operator wants to see at a glance: nodes
+joining, leaving, dying or draining, checksum failures reported by clients, failed
+offloads and reloads, the metadata store falling behind and catching up.
+
+The logs hold the same events for good; this ring only serves `GET /v1/events` (the
+status page and `polarkv admin`), so it keeps the last `capacity` and forgets the rest.
+Every event gets a sequence number: a poller asks for those after the last one it saw.
+`id` stays the event's first sequence number when repeats fold into it.
+Repeats of one kind and subject within `coalesce_s` fold into one recent event with a count,
+so a failing disk cannot push everything else out of the ring.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+CAPACITY = 256
+COALESCE_S = 5.0
+FOLD_WINDOW = 8  # how many of the latest events a repeat may fold into
+
+
+class Kind(StrEnum):
+    NODE_JOINED = "node_joined"
+    NODE_LEFT = "node_left"
+    NODE_DIED = "node_died"
+    NODE_DRAINING = "node_draining"
+    CHECKSUM_FAILURE = "checksum_failure"
+    TIER_FAILURE = "tier_failure"
+    STORE_RETRYING = "metadata_store_retrying"
+    STORE_CAUGHT_UP = "metadata_store_caught_up"
+
+
+# What a person should make of each kind (the page colours by it).
+LEVELS = {Kind.NODE_JOINED: "info", Kind.NODE_LEFT: "info", Kind.NODE_DRAINING: "info",
+          Kind.NODE_DIED: "error", Kind.CHECKSUM_FAILURE: "error", Kind.TIER_FAILURE: "warning",
+          Kind.STORE_RETRYING: "warning", Kind.STORE_CAUGHT_UP: "info"}
+
+
+class EventRing:
+    def __init__(self, capacity: int = CAPACITY, coalesce_s: float = COALESCE_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._ring: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._seq = itertools.count(1)
+        self._coalesce_s = coalesce_s
+        self._clock = clock
+
+    def add(self, kind: Kind, subject: str, message: str, **fields: Any) -> dict[str, Any]:
+        """Record one event about `subject` (a node id, a key, an operation)."""
+        now = self._clock()
+        for i in range(len(self._ring) - 1, max(len(self._ring) - FOLD_WINDOW, 0) - 1, -1):
+            seen = self._ring[i]
+            if seen["kind"] == kind and seen["subject"] == subject and now - seen["time"] <= self._coalesce_s:
+                # Folded into that one, moved to the end with a new sequence number so
+                # that pollers see the change.
+                del self._ring[i]
+                seen.update(fields, seq=next(self._seq), time=now, count=seen["count"] + 1, message=message)
+                self._ring.append(seen)
+                return seen
+        seq = next(self._seq)
+        event = {"seq": seq, "id": seq, "time": now, "kind": kind.value, "level": LEVELS[kind],
+                 "subject": subject, "message": message, "count": 1, **fields}
+        self._ring.append(event)
+        return event
+
+    def since(self, seq: int = 0, limit: int = CAPACITY) -> list[dict[str, Any]]:
+        """Events with a sequence number above `seq`, oldest first, at most the last `limit`."""
+        newer = [e for e in self._ring if e["seq"] > seq]
+        return newer[-limit:] if limit > 0 else []
+
+    @property
+    def last_seq(self) -> int:
+        return self._ring[-1]["seq"] if self._ring else 0
+
+    def __len__(self) -> int:
+        return len(self._ring)

@@ -1,0 +1,140 @@
+"""The node half of the manager's HTTP API: slabs register, heartbeat and leave; their
+disk roles long-poll for tier orders, report results and report the files they found.
+
+A mixin of `ManagerService` (manager/app.py), so the routes stay where the rest of the
+shell registers them; every call needs the admin token when one is set (app.py's
+`_authorize`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from polarkv_lib.manager.core import Metadata
+from polarkv_lib.manager.events import EventRing, Kind
+from polarkv_lib.manager.metrics import ManagerMetrics
+from polarkv_lib.manager.responses import error_response, json_response
+from polarkv_lib.manager.shard import ShardGuard
+from polarkv_lib.wire import control
+
+log = structlog.get_logger("polarkv.manager")
+
+
+class NodeRoutes:
+    # provided by ManagerService
+    meta: Metadata
+    guard: ShardGuard
+    events: EventRing
+    metrics: ManagerMetrics
+    limits: control.Limits
+    grant_key: bytes
+    _grant_key_shared: bool
+    _order_events: dict[str, asyncio.Event]
+    _restored: asyncio.Event
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _kick(self) -> None:
+        raise NotImplementedError
+
+    def _signal_freed(self) -> None:
+        raise NotImplementedError
+
+    def _settle_reload(self, gen: int) -> None:
+        raise NotImplementedError
+
+    def _start_restore(self) -> None:
+        raise NotImplementedError
+
+    def _add_node_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/nodes/register", self.register)
+        router.add_post("/v1/nodes/heartbeat", self.heartbeat)
+        router.add_post("/v1/nodes/unregister", self.unregister)
+        router.add_post("/v1/nodes/orders", self.orders)
+        router.add_post("/v1/nodes/done", self.done)
+        router.add_post("/v1/nodes/adopt", self.adopt)
+
+    async def register(self, request: web.Request) -> web.Response:
+        req = control.parse_register(await self._body(request))
+        base, capacity = self.guard.arena(req.capacity)  # this shard's part of the buffer
+        node, is_new = self.meta.register(req.node_id, req.incarnation, req.address, capacity,
+                                          req.shm_path, req.host_id, req.transports,
+                                          self.guard.disk_share(req.disk_capacity), base)
+        if is_new:
+            self._start_restore()
+            self.events.add(Kind.NODE_JOINED, node.node_id, f"node joined ({node.address})")
+            log.info("node joined", node=node.node_id, address=node.address,
+                     incarnation=node.incarnation, capacity=node.capacity,
+                     disk_capacity=node.disk_capacity)
+        body: dict[str, Any] = {"node_id": node.node_id, "incarnation": node.incarnation,
+                                "heartbeat_ttl": self.meta.heartbeat_ttl}
+        if self._grant_key_shared:
+            body["grant_key"] = self.grant_key.hex()
+        return json_response(body)
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        ref, reported = control.parse_heartbeat(await self._body(request))
+        if not self.meta.heartbeat(ref.node_id, ref.incarnation, reported):
+            return error_response("unknown node or incarnation; register again", 404)
+        return json_response({"ok": True})
+
+    async def unregister(self, request: web.Request) -> web.Response:
+        ref = control.parse_node_ref(await self._body(request))
+        if not self.meta.unregister(ref.node_id, ref.incarnation):
+            return error_response("unknown node or incarnation", 404)
+        log.info("node left", node=ref.node_id)
+        self.events.add(Kind.NODE_LEFT, ref.node_id, "node left")
+        return json_response({"ok": True})
+
+    async def orders(self, request: web.Request) -> web.Response:
+        """Long poll of a node's disk role: its pending orders, or none after `wait`."""
+        ref, wait = control.parse_orders(await self._body(request))
+        if self.meta.node(ref.node_id, ref.incarnation) is None:
+            return error_response("unknown node or incarnation; register again", 404)
+        orders = self.meta.take_orders(ref.node_id)
+        if not orders and wait > 0:
+            event = self._order_events.setdefault(ref.node_id, asyncio.Event())
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), wait)
+            except TimeoutError:
+                pass
+            if self.meta.node(ref.node_id, ref.incarnation) is not None:
+                orders = self.meta.take_orders(ref.node_id)
+        return json_response({"orders": [o.to_json() for o in orders]})
+
+    async def done(self, request: web.Request) -> web.Response:
+        """A disk role reports finished orders."""
+        ref, results = control.parse_done(await self._body(request), self.limits)
+        if self.meta.node(ref.node_id, ref.incarnation) is None:
+            return error_response("unknown node or incarnation; register again", 404)
+        for r in results:
+            if r.op == "offload":
+                self.meta.offload_done(ref.node_id, r.key, r.gen, r.ok, r.reason, r.file_bytes)
+                self.metrics.offload_seconds.observe(r.seconds)
+            elif r.op == "reload":
+                self.meta.reload_done(ref.node_id, r.key, r.gen, r.ok, r.reason)
+                self.metrics.reload_seconds.observe(r.seconds)
+                self._settle_reload(r.gen)
+            if not r.ok:
+                log.warning(f"{r.op} failed", node=ref.node_id, key=r.key, reason=r.reason)
+                self.events.add(Kind.TIER_FAILURE, ref.node_id, f"{r.op} failed: {r.reason}", key=r.key)
+        self._signal_freed()
+        self._kick()
+        return json_response({"ok": True})
+
+    async def adopt(self, request: web.Request) -> web.Response:
+        """A slab with a disk reports the files it found at start."""
+        ref, files = control.parse_adopt(await self._body(request), self.limits)
+        self.guard.check(f[0] for f in files)
+        await self._restored.wait()  # adopt against the restored entries, not beside them
+        delete = self.meta.adopt(ref.node_id, ref.incarnation, files)
+        if delete is None:
+            return error_response("unknown node or incarnation, or no disk role", 404)
+        self._kick()
+        return json_response({"adopted": len(files) - len(delete), "delete": delete})

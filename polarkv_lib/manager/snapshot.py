@@ -1,0 +1,143 @@
+"""Persistence of the manager core: the rows of what changed (write-behind, see
+manager/store.py) and the restore of a previous manager's rows after a restart.
+
+A restore never stalls the manager. `restore` (at start, before serving) only groups
+the rows by node and sorts them by memory offset. When a node registers, its rows come
+back a slice at a time (`restore_step`, which the shell runs between requests): sorted
+rows reserve their memory extents in O(1) each, so n entries cost O(n log n) in all.
+Meanwhile the node takes no new placements or reloads and its not-yet-restored keys
+miss; a flush keeps their rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from polarkv_lib.manager.allocator import size_class
+from polarkv_lib.manager.model import Entry, Node, Residency, RestoreJob, State
+from polarkv_lib.manager.rows import Batch, EntryRow, NodeRow
+from polarkv_lib.manager.tables import Tables
+from polarkv_lib.wire.orders import file_bytes_bound
+
+
+class Snapshots(Tables):
+    def restore(self, nodes: list[NodeRow], entries: list[EntryRow]) -> None:
+        """Keep what a previous manager persisted until each node registers again."""
+        by_node: dict[str, list[EntryRow]] = {}
+        for row in entries:
+            by_node.setdefault(row.node_id, []).append(row)
+        for node_row in nodes:
+            rows = by_node.pop(node_row.node_id, [])
+            rows.sort(key=lambda r: r.mem_offset)
+            self.restored[node_row.node_id] = (node_row, rows)
+            self.waiting_keys.update(row.key for row in rows)
+        for orphans in by_node.values():  # entries of a node we have no row for
+            self.dirty_keys.update(row.key for row in orphans)
+
+    def _begin_restore(self, node: Node) -> None:
+        """A node registers: its persisted disk entries serve again if it has its disk;
+        its memory entries too if it kept its incarnation (its buffer survived us)."""
+        saved = self.restored.pop(node.node_id, None)
+        if saved is None:
+            return
+        node_row, rows = saved
+        same_buffer = node_row.incarnation == node.incarnation and node_row.capacity == node.capacity
+        node.restoring = True
+        self.restore_jobs[node.node_id] = RestoreJob(node, same_buffer, rows)
+        self.restore_step()
+
+    @property
+    def restoring(self) -> bool:
+        return bool(self.restore_jobs)
+
+    @property
+    def restore_left(self) -> int:
+        """Rows still to restore, over all nodes (for progress)."""
+        return sum(len(job.rows) - job.done for job in self.restore_jobs.values())
+
+    def restore_step(self, budget: int = 0) -> bool:
+        """Restore up to `budget` rows (default: one slice). True while more remain."""
+        budget = budget or self.restore_slice
+        for node_id, job in list(self.restore_jobs.items()):
+            if budget <= 0:
+                break
+            end = min(job.done + budget, len(job.rows))
+            if job.node.alive:
+                for row in job.rows[job.done:end]:
+                    self._restore_row(job, row)
+            else:  # died meanwhile: what is left goes, as its restored entries did
+                end = len(job.rows)
+                for row in job.rows[job.done:]:
+                    self.waiting_keys.discard(row.key)
+                    self.dirty_keys.add(row.key)
+            budget -= end - job.done
+            job.done = end
+            if job.done == len(job.rows):
+                job.node.restoring = False
+                del self.restore_jobs[node_id]
+        return bool(self.restore_jobs)
+
+    def _restore_row(self, job: RestoreJob, row: EntryRow) -> None:
+        node = job.node
+        self.waiting_keys.discard(row.key)
+        self.dirty_keys.add(row.key)  # whatever is not restored is deleted from the store
+        if self.get(row.key) is not None:
+            return
+        in_memory = (job.same_buffer and row.in_memory and row.incarnation == node.incarnation
+                     and node.allocator.reserve(row.mem_offset, row.mem_extent))
+        on_disk = row.on_disk and node.has_disk
+        if not in_memory and not on_disk:
+            return
+        residency = (Residency.BOTH if in_memory and on_disk
+                     else Residency.MEMORY if in_memory else Residency.DISK)
+        entry = Entry(row.key, row.size, node, row.mem_offset if in_memory else 0,
+                      row.mem_extent if in_memory else 0, State.READY, row.created, row.created,
+                      gen=self._next_gen(), checksum=row.checksum, residency=residency)
+        self.table(row.key)[row.key] = entry
+        node.entries.add(row.key)
+        if in_memory:
+            self._lru_add(entry)
+        if on_disk:
+            self._file_added(entry, row.file_bytes)
+
+    def take_changes(self) -> Batch:
+        """The current state of everything changed since the last call."""
+        nodes = [NodeRow(n.node_id, n.incarnation, n.address, n.capacity, n.disk_capacity, n.shm_path,
+                         n.host_id, ",".join(n.transports))
+                 for n in (self.nodes.get(i) for i in self.dirty_nodes) if n is not None]
+        entries, deleted = [], []
+        for key in self.dirty_keys:
+            entry = self.get(key)
+            if entry is None or entry.state is not State.READY or not entry.node.alive:
+                if key not in self.waiting_keys:  # a node not back yet keeps its rows
+                    deleted.append(key)
+                continue
+            in_memory = entry.in_memory and entry.alloc_size > 0
+            entries.append(EntryRow(key, entry.node.node_id, entry.node.incarnation, entry.size,
+                                    entry.checksum, entry.offset if in_memory else 0,
+                                    entry.alloc_size if in_memory else 0, in_memory, entry.on_disk,
+                                    entry.file_bytes, entry.created))
+        self.dirty_keys.clear()
+        self.dirty_nodes.clear()
+        return Batch(nodes, entries, deleted)
+
+    def requeue(self, batch: Batch) -> None:
+        """A batch that could not be written: mark its keys and nodes again."""
+        self.dirty_nodes.update(n.node_id for n in batch.nodes)
+        self.dirty_keys.update(e.key for e in batch.entries)
+        self.dirty_keys.update(batch.deleted_keys)
+
+
+def synthetic_rows(node: NodeRow, count: int, size: int, *, in_memory: bool = True,
+                   on_disk: bool = False, checksum: str = "0123456789abcdef") -> list[EntryRow]:
+    """`count` ready entries of `size` bytes packed from offset 0 of `node`'s buffer (or
+    files only), as a previous manager would have persisted them: restoring these is
+    the quick way to fill a core for benchmarks and scale tests."""
+    extent = size_class(size) if in_memory else 0
+    if extent * count > node.capacity:
+        raise ValueError(f"{count} entries of {size} bytes do not fit in {node.capacity} bytes")
+    file_bytes = file_bytes_bound(size) if on_disk else 0
+    return [EntryRow(hashlib.blake2b(f"{node.node_id}/{i}".encode(), digest_size=16).hexdigest(),
+                     node.node_id, node.incarnation, size, checksum, i * extent, extent, in_memory,
+                     on_disk, file_bytes, 0.0)
+            for i in range(count)]

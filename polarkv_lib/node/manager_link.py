@@ -1,0 +1,154 @@
+"""A slab's link to one manager shard: registration, heartbeats, file adoption and (with
+the disk role) that shard's tier orders.
+
+A slab keeps one link per URL in `slab.manager_url` (one per shard, DESIGN §11), all
+over the same buffer, data server and disk: each shard manages its own arena of the
+buffer and its own share of the disk (manager/shard.py), so the links share nothing but
+the node's identity. Each link registers, heartbeats and re-registers on its own, so a
+shard that is down or restarting leaves the others' links untouched.
+
+Every call to a manager is bounded (`call_timeout`): a manager that accepts a connection
+and never answers costs one timeout, not the node. A node the manager declared dead, or
+a manager that restarted and forgot it, is told so by its next heartbeat (404) and
+registers again by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from polarkv_lib.client.control import ControlClient, RegisterRequest
+from polarkv_lib.config import Config
+from polarkv_lib.errors import AccessDenied, BadRequest, PolarKVError
+from polarkv_lib.host import host_id
+from polarkv_lib.logs import Events, RateLimiter
+from polarkv_lib.node.disk_role import DiskRole
+from polarkv_lib.shards import Shard
+
+if TYPE_CHECKING:
+    from polarkv_lib.node.slab import SlabService
+
+log = structlog.get_logger("polarkv.slab")
+
+ADOPT_BATCH = 1000
+ADOPT_TIMEOUT = 10.0
+UNREGISTER_TIMEOUT = 1.0
+DOWN_LOG_INTERVAL = 10.0  # one "manager unreachable" line per this many seconds, with a count
+
+
+def call_timeout(config: Config) -> float:
+    """The bound on one register/heartbeat call: long enough for a loaded manager, short
+    enough that a hung one is noticed well within the manager's heartbeat TTL."""
+    return max(2 * config.slab.heartbeat_interval, 1.0)
+
+
+class ManagerLink:
+    def __init__(self, slab: SlabService, url: str, shard: Shard) -> None:
+        config = slab.config
+        self.slab = slab
+        self.url = url
+        self.shard = shard
+        token = config.security.admin_token or config.security.token
+        self.control = ControlClient(url, token or None, breaker_interval=0, pool_limit=8)
+        self.registered = asyncio.Event()
+        self.registrations = 0
+        self.disk: DiskRole | None = None
+        # Heartbeat at least three times per manager TTL, whatever was configured here.
+        self._interval = config.slab.heartbeat_interval
+        self._timeout = call_timeout(config)
+        self._task: asyncio.Task[None] | None = None
+        self._down = RateLimiter(log, DOWN_LOG_INTERVAL)
+
+    def start(self) -> None:
+        slab = self.slab
+        if slab.store is not None:
+            assert slab.buffer is not None and slab.server is not None
+            self.disk = DiskRole(slab.store, slab.buffer.view, slab.node_id, slab.config.disk.io_threads,
+                                 slab.server.fence)
+            self.disk.start(self.control, lambda: slab.ref, self.registered)
+        self._task = asyncio.create_task(self._loop(), name=f"slab-heartbeat-{self.shard}")
+
+    async def stop(self) -> None:
+        """Stop heartbeating and taking orders, and tell the manager (bounded)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.disk is not None:
+            await self.disk.stop()
+        if self.registered.is_set():
+            try:
+                await self.control.unregister(self.slab.ref, time.monotonic() + UNREGISTER_TIMEOUT)
+            except PolarKVError:
+                pass  # the manager will notice the silence
+        await self.control.close()
+
+    async def _register(self) -> bool:
+        slab = self.slab
+        assert slab.buffer is not None
+        transports = slab.config.slab.transports
+        # The whole buffer and disk: the manager takes its shard's part of each.
+        info = RegisterRequest(slab.node_id, slab.incarnation, slab.address, slab.buffer.size,
+                               slab.buffer.path if "shm" in transports else "", host_id(),
+                               list(transports), slab.config.disk.capacity if slab.store is not None else 0)
+        try:
+            reg = await self.control.register(info, time.monotonic() + self._timeout)
+        except (BadRequest, AccessDenied) as exc:
+            log.error(Events.REGISTRATION_REFUSED, status=exc.status, error=str(exc), manager=self.url)
+            return False
+        if not slab.take_grant_key(reg.grant_key):
+            return False
+        if reg.heartbeat_ttl is not None:
+            self._interval = min(slab.config.slab.heartbeat_interval, reg.heartbeat_ttl / 3)
+        if self.disk is not None and not await self._adopt():
+            return False
+        self.registered.set()
+        self.registrations += 1
+        log.info(Events.SLAB_REGISTERED, node=slab.node_id, incarnation=slab.incarnation,
+                 registrations=self.registrations, manager=self.url, shard=str(self.shard))
+        slab.link_registered()
+        return True
+
+    async def _adopt(self) -> bool:
+        """Tell the manager which of this node's files are in its range, so they serve
+        hits again (each file's key names exactly one shard)."""
+        assert self.disk is not None
+        files = [f for f in self.disk.inventory() if self.shard.owns(f["key"])]
+        for start in range(0, len(files), ADOPT_BATCH):
+            try:
+                delete = await self.control.adopt(self.slab.ref, files[start:start + ADOPT_BATCH],
+                                                  time.monotonic() + ADOPT_TIMEOUT)
+            except (BadRequest, AccessDenied) as exc:
+                log.error(Events.ADOPTION_REFUSED, status=exc.status, error=str(exc), manager=self.url)
+                return False
+            for key in delete:  # the manager has a fresher copy elsewhere
+                await asyncio.to_thread(self.disk.store.delete, key)
+        if files:
+            log.info(Events.DISK_ADOPTED, files=len(files), manager=self.url)
+        return True
+
+    async def _beat(self) -> None:
+        if not self.registered.is_set():
+            await self._register()
+            return
+        try:
+            await self.control.heartbeat(self.slab.ref, self.slab.stats(), time.monotonic() + self._timeout)
+        except BadRequest as exc:
+            if exc.status != 404:
+                raise
+            log.warning(Events.SLAB_FORGOTTEN, node=self.slab.node_id, manager=self.url)
+            self.registered.clear()
+            await self._register()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._beat()
+                self._down.clear(Events.MANAGER_UNREACHABLE)
+            except PolarKVError as exc:  # unreachable, timed out, refused: keep knocking
+                self._down.warning(Events.MANAGER_UNREACHABLE, node=self.slab.node_id, manager=self.url,
+                                   error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(self._interval if self.registered.is_set() else min(self._interval, 0.2))

@@ -1,0 +1,1 @@
+"""`polarkv replay`: Mooncake-format traces replayed against PolarKV (see cli.py)."""

@@ -1,0 +1,144 @@
+"""Partial I/O, written once: fill a buffer from a socket, send a list of buffers, both
+bounded by an absolute deadline; the same bookkeeping for vectored file writes; and
+the accept loop of a threaded server.
+
+Sockets stay in blocking mode and deadlines are enforced by the kernel (SO_RCVTIMEO /
+SO_SNDTIMEO, re-armed with the time left before every blocking call), not by Python's
+socket timeouts: those put the socket in non-blocking mode and cost a poll() plus a
+wake-up into Python for every piece of a transfer the kernel hands over, which on
+loopback is a few hundred per 16 MiB object. Blocking, a whole payload is one
+`recv_into(..., MSG_WAITALL)` or one `sendmsg`: the kernel copies as the bytes arrive and
+the GIL is released for the whole object.
+
+A call that runs out of time raises OperationTimeout; a peer that closes mid-buffer
+raises NetworkError; other socket errors stay OSError for the caller to map.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable, Sequence
+
+from polarkv_lib.errors import NetworkError, OperationTimeout
+
+_TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux and the BSDs (time_t, suseconds_t)
+
+# accept() errors that mean "out of resources for now", not "the socket is gone".
+RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF = 0.05
+
+
+def remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise OperationTimeout("deadline passed")
+    return left
+
+
+def arm(sock: socket.socket, option: int, deadline: float) -> None:
+    """Bound the next blocking call on `sock` by the time left until `deadline`. A call
+    that runs out returns what it moved so far, or fails with EAGAIN if nothing."""
+    arm_seconds(sock, option, remaining(deadline))
+
+
+def arm_seconds(sock: socket.socket, option: int, seconds: float) -> None:
+    whole = int(seconds)
+    micros = max(int((seconds - whole) * 1_000_000), 0 if whole else 1)  # 0 would mean forever
+    sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(whole, micros))
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view`: one recv for the whole of it unless the deadline or a signal cuts
+    the wait short, in which case the loop re-arms with what is left."""
+    got, n = 0, len(view)
+    try:
+        while got < n:
+            arm(sock, socket.SO_RCVTIMEO, deadline)
+            r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            if r == 0:
+                raise NetworkError("peer closed the connection" + (" mid-frame" if got else ""))
+            got += r
+    except BlockingIOError:  # SO_RCVTIMEO ran out with nothing more received
+        raise OperationTimeout(f"received {got} of {n} bytes before the deadline") from None
+
+
+def recv_some(sock: socket.socket, view: memoryview, wait: float) -> int:
+    """Up to len(view) bytes, waiting at most `wait` seconds for the first; 0 on a clean
+    end of stream. Raises OperationTimeout if nothing arrived in time."""
+    arm_seconds(sock, socket.SO_RCVTIMEO, wait)
+    try:
+        return sock.recv_into(view, len(view))
+    except BlockingIOError:
+        raise OperationTimeout(f"nothing received in {wait:g}s") from None
+
+
+def advance(parts: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of `parts` after the first `n` bytes went out (vectored writes)."""
+    while parts and n >= len(parts[0]):
+        n -= len(parts[0])
+        parts = parts[1:]
+    if parts and n:
+        parts = [parts[0][n:], *parts[1:]]
+    return parts
+
+
+def send_all(
+    sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview], deadline: float
+) -> None:
+    """Send `parts` back to back: one sendmsg, so a header and its payload leave in one
+    call (and the header never travels as a segment of its own)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    try:
+        while views:
+            arm(sock, socket.SO_SNDTIMEO, deadline)
+            views = advance(views, sock.sendmsg(views))
+    except BlockingIOError:  # SO_SNDTIMEO ran out: the peer is not reading
+        raise OperationTimeout("the peer did not take the data before the deadline") from None
+
+
+def pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    """Write `parts` at `offset` with as few pwritev calls as the kernel allows."""
+    while parts:
+        n = os.pwritev(fd, parts, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        offset += n
+        parts = advance(parts, n)
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` from `offset`; how many bytes there were (short at end of file)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def accept_loop(
+    sock: socket.socket,
+    handle: Callable[[socket.socket, str], None],
+    stopping: Callable[[], bool],
+    on_resource_error: Callable[[OSError], None] = lambda exc: None,
+) -> None:
+    """Accept until the listening socket is closed (or `stopping()`), handing each
+    connection and its peer host to `handle`. Running out of file descriptors or buffers
+    is a pause, not the end: the loop backs off briefly and reports through
+    `on_resource_error` (rate-limit it: this can happen thousands of times a second)."""
+    while not stopping():
+        try:
+            conn, peer = sock.accept()
+        except OSError as exc:
+            if exc.errno in RESOURCE_ERRORS and not stopping():
+                on_resource_error(exc)
+                time.sleep(ACCEPT_BACKOFF)
+                continue
+            return  # closed by stop(): EBADF / EINVAL
+        host = peer[0] if isinstance(peer, tuple) else str(peer)
+        handle(conn, host)

