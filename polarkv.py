@@ -1,10 +1,10 @@
 """polarkv: the PolarKV executable (DESIGN §1).
 
-    polarkv                              all roles in one process (embedded single node)
-    polarkv --role manager               the metadata service
-    polarkv --role slab                  a memory node
-    polarkv bench datapath               data-plane throughput beside its limits
-    polarkv admin stats|nodes|key|delete|drain   the admin API from a terminal
+polarkv                              all roles in one process (embedded single node)
+polarkv --role manager               the metadata service
+polarkv --role slab                  a memory node
+polarkv bench datapath               data-plane throughput beside its limits
+polarkv admin stats|nodes|key|delete|drain   the admin API from a terminal
 """
 
 from __future__ import annotations
@@ -27,13 +27,20 @@ from polarkv_lib.tools.plan import plan_command
 from polarkv_lib.tools.replay.cli import replay
 
 
-def _fail(message: str, code: ExitCode = ExitCode.CONFIG, json_line: bool | None = None) -> NoReturn:
+def _fail(
+    message: str, code: ExitCode = ExitCode.CONFIG, json_line: bool | None = None
+) -> NoReturn:
     """One line and a named exit code; a JSON line when the logs are JSON."""
     if json_line is None:
         ctx = click.get_current_context(silent=True)
         json_line = ctx is not None and (ctx.find_root().obj or {}).get("log_format") == "json"
     if json_line:
-        line = {"event": "polarkv failed", "level": "error", "error": message, "exit_code": int(code)}
+        line = {
+            "event": "polarkv failed",
+            "level": "error",
+            "error": message,
+            "exit_code": int(code),
+        }
         click.echo(orjson.dumps(line).decode(), err=True)
     else:
         click.echo(f"polarkv: {message}", err=True)
@@ -48,27 +55,58 @@ def _config(ctx: click.Context) -> Config:
         _fail(str(exc))
     if obj["log_format"]:
         import dataclasses
-        config = dataclasses.replace(config, log=dataclasses.replace(config.log, format=obj["log_format"]))
+
+        config = dataclasses.replace(
+            config, log=dataclasses.replace(config.log, format=obj["log_format"])
+        )
     return config
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="polarkv", message="%(prog)s %(version)s")
-@click.option("--role", "roles", multiple=True, type=click.Choice(["manager", "slab", "disk"]),
-              help="Role(s) of this process; repeatable. None: all roles, embedded single node.")
+@click.option(
+    "--role",
+    "roles",
+    multiple=True,
+    type=click.Choice(["manager", "slab", "disk"]),
+    help="Role(s) of this process; repeatable. None: all roles, embedded single node.",
+)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override one config key; repeatable.")
-@click.option("--log-format", type=click.Choice(["json", "console"]), default=None,
-              help="Log format (overrides log.format).")
-@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
-              help="Write a JSON line with the bound addresses here once serving.")
-@click.option("--insecure", is_flag=True, default=False,
-              help="Allow listening beyond loopback without security.token.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one config key; repeatable.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["json", "console"]),
+    default=None,
+    help="Log format (overrides log.format).",
+)
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a JSON line with the bound addresses here once serving.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    default=False,
+    help="Allow listening beyond loopback without security.token.",
+)
 @click.pass_context
-def main(ctx: click.Context, roles: tuple[str, ...], config_path: str | None,
-         overrides: tuple[str, ...], log_format: str | None, ready_file: str | None,
-         insecure: bool) -> None:
+def main(
+    ctx: click.Context,
+    roles: tuple[str, ...],
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    log_format: str | None,
+    ready_file: str | None,
+    insecure: bool,
+) -> None:
     """PolarKV: a shared, tiered KV cache for LLM inference."""
     ctx.obj = {"config_path": config_path, "overrides": list(overrides), "log_format": log_format}
     if ctx.invoked_subcommand is not None:

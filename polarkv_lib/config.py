@@ -22,10 +22,20 @@ from polarkv_lib.manager.tenants import parse_quotas, parse_tenants
 from polarkv_lib.shards import Shard, split_urls
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
@@ -69,7 +79,11 @@ def parse_address(value: object) -> tuple[str, int]:
         raise ValueError(f"not a host:port address: {value!r}")
     host, _, port_text = value.rpartition(":")
     host = host.strip("[]")
-    if not host or not (port_text.isascii() and port_text.isdigit()) or not 0 <= int(port_text) <= 65535:
+    if (
+        not host
+        or not (port_text.isascii() and port_text.isdigit())
+        or not 0 <= int(port_text) <= 65535
+    ):
         raise ValueError(f"not a host:port address: {value!r}")
     return host, int(port_text)
 
@@ -77,7 +91,16 @@ def parse_address(value: object) -> tuple[str, int]:
 def _parse_bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+    if isinstance(value, str) and value.lower() in (
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
         return value.lower() in ("1", "true", "yes", "on")
     raise ValueError(f"not a boolean: {value!r}")
 
@@ -162,13 +185,21 @@ def _opt(kind: str, default: Any, help: str) -> Any:
 class ManagerConfig:
     listen: str = _opt("address", "127.0.0.1:8170", "manager HTTP address")
     shard: str = _opt("shard", "0/1", "this manager owns key range I of N (I/N; 0/1: every key)")
-    metadata_url: str = _opt("str", "sqlite:///./polarkv-data/meta.db", "write-behind metadata store")
-    metadata_flush: float = _opt("duration", 0.2, "write-behind batch interval: the loss window after a crash")
-    memory_high_watermark: float = _opt("float", 0.90, "offload starts (fraction of a node's memory)")
+    metadata_url: str = _opt(
+        "str", "sqlite:///./polarkv-data/meta.db", "write-behind metadata store"
+    )
+    metadata_flush: float = _opt(
+        "duration", 0.2, "write-behind batch interval: the loss window after a crash"
+    )
+    memory_high_watermark: float = _opt(
+        "float", 0.90, "offload starts (fraction of a node's memory)"
+    )
     memory_low_watermark: float = _opt("float", 0.80, "offload stops (fraction of a node's memory)")
     disk_high_watermark: float = _opt("float", 0.95, "disk LRU deletion starts")
     read_lease: float = _opt("duration", 5.0, "how long a lookup protects what it returned")
-    write_lease: float = _opt("duration", 30.0, "how long a writer may take before its space is reclaimed")
+    write_lease: float = _opt(
+        "duration", 30.0, "how long a writer may take before its space is reclaimed"
+    )
     heartbeat_ttl: float = _opt("duration", 3.0, "a node silent this long is dead")
     max_object_size: int = _opt("size", 256 * 1024**2, "largest value one key may hold")
     max_batch: int = _opt("int", 4096, "most keys in one control request")
@@ -181,33 +212,59 @@ class SlabConfig:
     advertise: str = _opt("str", "", "address clients dial (default: the bound listen address)")
     node_id: str = _opt("str", "", "stable node name (default: host:port of the data plane)")
     memory: int = _opt("size", 1024**3, "size of the slab buffer")
-    manager_url: str = _opt("urls", "http://127.0.0.1:8170", "where the slab registers: every manager shard, in shard order")
-    shm_dir: str = _opt("str", "/dev/shm", "directory of the buffer file (tmpfs, shared with same-host clients)")
+    manager_url: str = _opt(
+        "urls",
+        "http://127.0.0.1:8170",
+        "where the slab registers: every manager shard, in shard order",
+    )
+    shm_dir: str = _opt(
+        "str", "/dev/shm", "directory of the buffer file (tmpfs, shared with same-host clients)"
+    )
     transports: tuple[str, ...] = _opt("list", ("tcp", "shm"), "transports offered to clients")
     heartbeat_interval: float = _opt("duration", 1.0, "how often the slab heartbeats the manager")
     max_connections: int = _opt("int", 256, "most concurrent data-plane connections")
-    max_connections_per_peer: int = _opt("int", 128, "most data-plane connections from one client host")
-    idle_timeout: float = _opt("duration", 60.0, "a data connection silent this long between requests is closed")
+    max_connections_per_peer: int = _opt(
+        "int", 128, "most data-plane connections from one client host"
+    )
+    idle_timeout: float = _opt(
+        "duration", 60.0, "a data connection silent this long between requests is closed"
+    )
     frame_timeout: float = _opt("duration", 5.0, "a request header must arrive whole within this")
-    rdma_device: str = _opt("str", "", "RDMA device for the rdma transport (empty: the first with an active port)")
+    rdma_device: str = _opt(
+        "str", "", "RDMA device for the rdma transport (empty: the first with an active port)"
+    )
     rdma_port: int = _opt("int", 1, "port of the RDMA device")
-    rdma_gid_index: int = _opt("int", -1, "GID index for rdma (-1: the first RoCE v2 GID, else the first non-zero)")
-    rdma_windows: bool = _opt("bool", False, "bind a memory window per grant instead of exposing the whole buffer")
+    rdma_gid_index: int = _opt(
+        "int", -1, "GID index for rdma (-1: the first RoCE v2 GID, else the first non-zero)"
+    )
+    rdma_windows: bool = _opt(
+        "bool", False, "bind a memory window per grant instead of exposing the whole buffer"
+    )
 
 
 @dataclass(frozen=True)
 class DiskConfig:
-    paths: tuple[str, ...] = _opt("list", ("./polarkv-data/disk",), "one or more directories, striped")
+    paths: tuple[str, ...] = _opt(
+        "list", ("./polarkv-data/disk",), "one or more directories, striped"
+    )
     capacity: int = _opt("size", 16 * 1024**3, "disk tier budget of this node")
     o_direct: bool = _opt("bool", False, "bypass the page cache for offload/reload files")
     io_threads: int = _opt("int", 4, "parallel file operations of the disk role")
-    remote: str = _opt("str", "", "experiment only (global pools): host:port of a remote disk server "
-                       "that holds this node's disk tier; empty (always, in production): local disks")
+    remote: str = _opt(
+        "str",
+        "",
+        "experiment only (global pools): host:port of a remote disk server "
+        "that holds this node's disk tier; empty (always, in production): local disks",
+    )
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    manager_url: str = _opt("urls", "http://127.0.0.1:8170", "used by the client and the CLI tools: every manager shard, in shard order")
+    manager_url: str = _opt(
+        "urls",
+        "http://127.0.0.1:8170",
+        "used by the client and the CLI tools: every manager shard, in shard order",
+    )
     chunk_tokens: int = _opt("int", 256, "tokens per chunk")
     transport: str = _opt("str", "auto", "auto, tcp, shm or rdma")
     timeout: float = _opt("duration", 2.0, "bound on any one client operation's wait")
@@ -220,9 +277,15 @@ class ClientConfig:
 class SecurityConfig:
     token: str = _opt("str", "", "bearer token required by the control and admin API when set")
     admin_token: str = _opt("str", "", "required for admin writes when set")
-    grant_key: str = _opt("str", "", "HMAC key shared by manager and slabs (empty: manager makes one)")
-    tenants: tuple[str, ...] = _opt("list", (), "name:token of each tenant: it sees only the entries it stored")
-    tenant_quotas: tuple[str, ...] = _opt("list", (), "name:size: memory a tenant's entries may take (none: no cap)")
+    grant_key: str = _opt(
+        "str", "", "HMAC key shared by manager and slabs (empty: manager makes one)"
+    )
+    tenants: tuple[str, ...] = _opt(
+        "list", (), "name:token of each tenant: it sees only the entries it stored"
+    )
+    tenant_quotas: tuple[str, ...] = _opt(
+        "list", (), "name:size: memory a tenant's entries may take (none: no cap)"
+    )
 
 
 @dataclass(frozen=True)
@@ -242,8 +305,12 @@ class Config:
 
 
 SECTIONS: dict[str, type[Any]] = {
-    "manager": ManagerConfig, "slab": SlabConfig, "disk": DiskConfig,
-    "client": ClientConfig, "security": SecurityConfig, "log": LogConfig,
+    "manager": ManagerConfig,
+    "slab": SlabConfig,
+    "disk": DiskConfig,
+    "client": ClientConfig,
+    "security": SecurityConfig,
+    "log": LogConfig,
 }
 
 
@@ -254,11 +321,13 @@ def _section_fields(section: str) -> dict[str, dataclasses.Field[Any]]:
 # Keys that existed once: naming one says why it went, rather than "unknown key".
 REMOVED_KEYS = {
     "manager.partitions": "removed: partitions of one manager process's table changed nothing; "
-                          "shard the manager across processes with manager.shard (docs/OPERATIONS.md)",
+    "shard the manager across processes with manager.shard (docs/OPERATIONS.md)",
 }
 
 
-def _apply(values: dict[str, dict[str, Any]], section: str, key: str, raw: object, origin: str) -> None:
+def _apply(
+    values: dict[str, dict[str, Any]], section: str, key: str, raw: object, origin: str
+) -> None:
     if f"{section}.{key}" in REMOVED_KEYS:
         raise ConfigError(f"{origin}: {section}.{key}: {REMOVED_KEYS[f'{section}.{key}']}")
     if section not in SECTIONS:
@@ -295,7 +364,7 @@ def load_config(
     env = os.environ if environ is None else environ
     for name, raw in sorted(env.items()):
         if name.startswith("POLARKV_") and "__" in name:
-            section, _, key = name[len("POLARKV_"):].lower().partition("__")
+            section, _, key = name[len("POLARKV_") :].lower().partition("__")
             _apply(values, section, key, raw, f"env {name}")
     for item in overrides:
         dotted, sep, raw = item.partition("=")
@@ -316,8 +385,11 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key}: {why}")
 
     m, s, c = config.manager, config.slab, config.client
-    need(0 < m.memory_low_watermark <= m.memory_high_watermark <= 1,
-         "manager.memory_low_watermark", "need 0 < memory_low_watermark <= memory_high_watermark <= 1")
+    need(
+        0 < m.memory_low_watermark <= m.memory_high_watermark <= 1,
+        "manager.memory_low_watermark",
+        "need 0 < memory_low_watermark <= memory_high_watermark <= 1",
+    )
     need(0 < m.disk_high_watermark <= 1, "manager.disk_high_watermark", "must be in (0, 1]")
     need(m.read_lease > 0, "manager.read_lease", "must be > 0")
     need(m.write_lease > 0, "manager.write_lease", "must be > 0")
@@ -326,12 +398,18 @@ def validate(config: Config) -> None:
     need(m.max_object_size > 0, "manager.max_object_size", "must be > 0")
     need(m.max_batch >= 1, "manager.max_batch", "must be >= 1")
     need(m.max_body_size >= 1024, "manager.max_body_size", "must be >= 1KiB")
-    need(m.metadata_url.startswith(("sqlite://", "postgresql://", "postgres://")),
-         "manager.metadata_url", "must start with sqlite:// or postgresql://")
+    need(
+        m.metadata_url.startswith(("sqlite://", "postgresql://", "postgres://")),
+        "manager.metadata_url",
+        "must start with sqlite:// or postgresql://",
+    )
     need(s.memory >= 1024**2, "slab.memory", "must be at least 1MiB")
     need(s.heartbeat_interval > 0, "slab.heartbeat_interval", "must be > 0")
-    need(set(s.transports) <= {"tcp", "shm", "rdma"} and "tcp" in s.transports, "slab.transports",
-         "a subset of tcp, shm, rdma that includes tcp")
+    need(
+        set(s.transports) <= {"tcp", "shm", "rdma"} and "tcp" in s.transports,
+        "slab.transports",
+        "a subset of tcp, shm, rdma that includes tcp",
+    )
     need(s.max_connections >= 1, "slab.max_connections", "must be >= 1")
     need(s.max_connections_per_peer >= 1, "slab.max_connections_per_peer", "must be >= 1")
     need(s.idle_timeout > 0, "slab.idle_timeout", "must be > 0")
@@ -345,10 +423,16 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key}: must be http(s) URLs, one per shard: {exc}") from None
     # Grants of every shard must verify on every slab: one key, configured on all of them.
     shared_key = "security.grant_key, the same on every manager shard and slab"
-    need(Shard.parse(m.shard).count == 1 or bool(config.security.grant_key), "manager.shard",
-         f"a sharded manager needs {shared_key}")
-    need("," not in s.manager_url or bool(config.security.grant_key), "slab.manager_url",
-         f"several shards need {shared_key}")
+    need(
+        Shard.parse(m.shard).count == 1 or bool(config.security.grant_key),
+        "manager.shard",
+        f"a sharded manager needs {shared_key}",
+    )
+    need(
+        "," not in s.manager_url or bool(config.security.grant_key),
+        "slab.manager_url",
+        f"several shards need {shared_key}",
+    )
     if s.advertise:
         try:
             parse_address(s.advertise)
@@ -366,21 +450,33 @@ def validate(config: Config) -> None:
         tenants = parse_tenants(config.security.tenants)
     except ValueError as exc:
         raise ConfigError(f"security.tenants: {exc}") from None
-    need(not tenants or bool(config.security.admin_token), "security.tenants",
-         "tenants need security.admin_token (nodes and the admin must not share a tenant's token)")
-    need(config.security.admin_token not in tenants, "security.tenants", "a tenant's token is the admin token")
+    need(
+        not tenants or bool(config.security.admin_token),
+        "security.tenants",
+        "tenants need security.admin_token (nodes and the admin must not share a tenant's token)",
+    )
+    need(
+        config.security.admin_token not in tenants,
+        "security.tenants",
+        "a tenant's token is the admin token",
+    )
     try:
         parse_quotas(config.security.tenant_quotas, tenants.values(), parse_size)
     except ValueError as exc:
         raise ConfigError(f"security.tenant_quotas: {exc}") from None
     need(c.chunk_tokens >= 1, "client.chunk_tokens", "must be >= 1")
-    need(c.transport in ("auto", "tcp", "shm", "rdma"), "client.transport", "auto, tcp, shm or rdma")
+    need(
+        c.transport in ("auto", "tcp", "shm", "rdma"), "client.transport", "auto, tcp, shm or rdma"
+    )
     need(c.timeout > 0, "client.timeout", "must be > 0")
     need(c.connections >= 1, "client.connections", "must be >= 1")
     need(c.window >= 1, "client.window", "must be >= 1")
     need(config.log.format in ("console", "json"), "log.format", "console or json")
-    need(config.log.level in ("debug", "info", "warning", "error"), "log.level",
-         "debug, info, warning or error")
+    need(
+        config.log.level in ("debug", "info", "warning", "error"),
+        "log.level",
+        "debug, info, warning or error",
+    )
 
 
 def describe_keys() -> list[tuple[str, Any, str, str]]:

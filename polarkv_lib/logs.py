@@ -57,6 +57,31 @@ _LEVELS = {
 }
 
 
+class _StderrPrinter:
+    """structlog's output: one line to whatever `sys.stderr` is at the time of the call.
+
+    Binding the stream once, at `configure()`, breaks as soon as that stream is replaced
+    and closed (a CLI runner or a test's captured stderr): every later line would raise
+    inside the caller."""
+
+    def __init__(self, *_args: Any) -> None:
+        self._lock = threading.Lock()
+
+    def msg(self, message: str) -> None:
+        with self._lock:
+            print(message, file=sys.stderr, flush=True)
+
+    debug = info = warning = warn = error = critical = exception = fatal = log = msg
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The stdlib side of the same rule: write to the current `sys.stderr`."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def configure(fmt: str = "console", level: str = "info") -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
@@ -71,11 +96,11 @@ def configure(fmt: str = "console", level: str = "info") -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=_StderrPrinter,
         cache_logger_on_first_use=False,
     )
     # The stdlib's loggers (aiohttp, asyncio, warnings) render through the same chain.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[

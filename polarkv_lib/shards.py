@@ -69,7 +69,11 @@ class Shard:
         page aligned, disjoint from every other shard's, together covering the buffer
         up to page rounding."""
         start = self.index * size // self.count // PAGE * PAGE
-        end = size if self.index == self.count - 1 else (self.index + 1) * size // self.count // PAGE * PAGE
+        end = (
+            size
+            if self.index == self.count - 1
+            else (self.index + 1) * size // self.count // PAGE * PAGE
+        )
         return start, max(0, end - start)
 
 

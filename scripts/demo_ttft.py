@@ -100,10 +100,15 @@ class DemoReport:
 
 
 def build_model(spec: DemoSpec) -> torch.nn.Module:
-    kwargs = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                  num_key_value_heads=spec.kv_heads,
-                  max_position_embeddings=spec.prefix_tokens + spec.suffix_tokens + spec.gen_tokens + 64)
+    kwargs = dict(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.prefix_tokens + spec.suffix_tokens + spec.gen_tokens + 64,
+    )
     torch.manual_seed(spec.seed)
     if spec.arch == "llama":
         model: torch.nn.Module = LlamaForCausalLM(LlamaConfig(**kwargs))
@@ -120,8 +125,10 @@ def polarkv_url(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    with tempfile.TemporaryDirectory(prefix="polarkv-demo-") as workdir, \
-            running_service(workdir, ("manager", "slab"), {"slab.memory": "1GiB"}) as info:
+    with (
+        tempfile.TemporaryDirectory(prefix="polarkv-demo-") as workdir,
+        running_service(workdir, ("manager", "slab"), {"slab.memory": "1GiB"}) as info,
+    ):
         yield str(info["manager_url"])
 
 
@@ -133,18 +140,31 @@ def run_demo(spec: DemoSpec, url: str | None = None) -> DemoReport:
     model = build_model(spec)
     gen = torch.Generator().manual_seed(spec.seed + 1)
     prefix = torch.randint(spec.vocab, (spec.prefix_tokens,), generator=gen)
-    prompts = [torch.cat([prefix, torch.randint(spec.vocab, (spec.suffix_tokens,), generator=gen)])
-               .unsqueeze(0) for _ in range(spec.requests)]
+    prompts = [
+        torch.cat(
+            [prefix, torch.randint(spec.vocab, (spec.suffix_tokens,), generator=gen)]
+        ).unsqueeze(0)
+        for _ in range(spec.requests)
+    ]
     # The weights are fixed by arch, sizes and seed; the run id keeps the first request
     # cold even against a PolarKV that served an earlier run.
     model_id = f"demo/{spec.arch}-seed{spec.seed}/run-{uuid.uuid4().hex[:12]}"
-    with polarkv_url(url) as manager_url, \
-            HFKVStore.for_model(model, model_id=model_id, manager_url=manager_url,
-                                chunk_tokens=spec.chunk_tokens,
-                                extra={"timeout": spec.timeout, "transport": spec.transport}) as store:
-        report = DemoReport(spec, type(model).__name__,
-                            store.geometry.chunk_bytes(spec.chunk_tokens) // spec.chunk_tokens,
-                            sum(p.numel() for p in model.parameters()))
+    with (
+        polarkv_url(url) as manager_url,
+        HFKVStore.for_model(
+            model,
+            model_id=model_id,
+            manager_url=manager_url,
+            chunk_tokens=spec.chunk_tokens,
+            extra={"timeout": spec.timeout, "transport": spec.transport},
+        ) as store,
+    ):
+        report = DemoReport(
+            spec,
+            type(model).__name__,
+            store.geometry.chunk_bytes(spec.chunk_tokens) // spec.chunk_tokens,
+            sum(p.numel() for p in model.parameters()),
+        )
         prefill(model, prompts[0][:, :32])  # warm-up: first-call allocations are not TTFT
         for i, ids in enumerate(prompts):
             full = prefill(model, ids)
@@ -164,10 +184,23 @@ def run_demo(spec: DemoSpec, url: str | None = None) -> DemoReport:
             diff = float((full.logits - ours.logits).abs().max())
             same = greedy(model, full, spec.gen_tokens) == greedy(model, ours, spec.gen_tokens)
             if diff > LOGIT_ATOL or not same:
-                raise AssertionError(f"request {i}: logits differ by {diff:.2e} (tolerance "
-                                     f"{LOGIT_ATOL}), greedy continuations match: {same}")
-            report.rows.append(Row(i, ids.shape[1], ours.loaded_tokens, full_s * 1e3, ours_s * 1e3,
-                                   load_s * 1e3, store_ms, diff, same))
+                raise AssertionError(
+                    f"request {i}: logits differ by {diff:.2e} (tolerance "
+                    f"{LOGIT_ATOL}), greedy continuations match: {same}"
+                )
+            report.rows.append(
+                Row(
+                    i,
+                    ids.shape[1],
+                    ours.loaded_tokens,
+                    full_s * 1e3,
+                    ours_s * 1e3,
+                    load_s * 1e3,
+                    store_ms,
+                    diff,
+                    same,
+                )
+            )
     return report
 
 
@@ -188,14 +221,23 @@ def format_report(report: DemoReport) -> str:
     for r in report.rows:
         store = f"{r.store_ms:.0f} ms" if r.store_ms is not None else "-"
         speedup = f"{r.speedup:.2f}x" if r.loaded_tokens else "- (miss)"
-        lines.append(f"| {r.request} | {r.prompt_tokens} | {r.loaded_tokens} | {r.ttft_full_ms:.0f} ms "
-                     f"| {r.ttft_polarkv_ms:.0f} ms | {r.load_ms:.0f} ms | {speedup} | {store} "
-                     f"| {r.max_logit_diff:.1e} | {'yes' if r.greedy_match else 'NO'} |")
+        lines.append(
+            f"| {r.request} | {r.prompt_tokens} | {r.loaded_tokens} | {r.ttft_full_ms:.0f} ms "
+            f"| {r.ttft_polarkv_ms:.0f} ms | {r.load_ms:.0f} ms | {speedup} | {store} "
+            f"| {r.max_logit_diff:.1e} | {'yes' if r.greedy_match else 'NO'} |"
+        )
     if report.warm:
-        mib = statistics.median(r.loaded_tokens for r in report.warm) * report.kv_bytes_per_token / 2**20
+        mib = (
+            statistics.median(r.loaded_tokens for r in report.warm)
+            * report.kv_bytes_per_token
+            / 2**20
+        )
         load_ms = statistics.median(r.load_ms for r in report.warm)
-        lines += ["", f"median over the warm requests: TTFT speedup {report.median_speedup:.1f}x; "
-                      f"loading {mib:.0f} MiB of prefix KV took {load_ms:.0f} ms"]
+        lines += [
+            "",
+            f"median over the warm requests: TTFT speedup {report.median_speedup:.1f}x; "
+            f"loading {mib:.0f} MiB of prefix KV took {load_ms:.0f} ms",
+        ]
     return "\n".join(lines)
 
 
@@ -210,8 +252,10 @@ SHAPE = ("layers", "hidden", "heads", "kv_heads", "intermediate")
 
 def format_growth(reports: list[DemoReport]) -> str:
     """One line per prefix length: how the gain grows with the prefix."""
-    lines = ["| prefix tokens | TTFT full prefill | TTFT with PolarKV | of which load | speedup |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| prefix tokens | TTFT full prefill | TTFT with PolarKV | of which load | speedup |",
+        "|---|---|---|---|---|",
+    ]
     for report in reports:
         warm = report.warm
         if not warm:
@@ -219,8 +263,10 @@ def format_growth(reports: list[DemoReport]) -> str:
         full = statistics.median(r.ttft_full_ms for r in warm)
         ours = statistics.median(r.ttft_polarkv_ms for r in warm)
         load = statistics.median(r.load_ms for r in warm)
-        lines.append(f"| {report.spec.prefix_tokens} | {full:.0f} ms | {ours:.0f} ms | {load:.0f} ms "
-                     f"| {report.median_speedup:.1f}x |")
+        lines.append(
+            f"| {report.spec.prefix_tokens} | {full:.0f} ms | {ours:.0f} ms | {load:.0f} ms "
+            f"| {report.median_speedup:.1f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -229,13 +275,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="manager URL of a running PolarKV (default: start one)")
     parser.add_argument("--arch", choices=("llama", "qwen2"), default=d.arch)
-    parser.add_argument("--size", choices=tuple(SIZES), default="medium",
-                        help="model size preset (medium: the defaults)")
-    parser.add_argument("--prefix-tokens", default=str(d.prefix_tokens),
-                        help="shared prefix length; a comma-separated list runs the demo once per "
-                             "length and ends with a table of the gain by length")
-    for name in ("suffix_tokens", "requests", "gen_tokens", "chunk_tokens", *SHAPE, "vocab", "seed",
-                 "repeats", "threads"):
+    parser.add_argument(
+        "--size",
+        choices=tuple(SIZES),
+        default="medium",
+        help="model size preset (medium: the defaults)",
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        default=str(d.prefix_tokens),
+        help="shared prefix length; a comma-separated list runs the demo once per "
+        "length and ends with a table of the gain by length",
+    )
+    for name in (
+        "suffix_tokens",
+        "requests",
+        "gen_tokens",
+        "chunk_tokens",
+        *SHAPE,
+        "vocab",
+        "seed",
+        "repeats",
+        "threads",
+    ):
         default = None if name in SHAPE else getattr(d, name)
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--transport", choices=("auto", "tcp", "shm"), default=d.transport)

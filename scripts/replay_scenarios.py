@@ -34,8 +34,12 @@ def polarkv(*args: str) -> list[str]:
 
 
 def plan_designs() -> dict[str, dict[str, Any]]:
-    done = subprocess.run(polarkv("plan", "--budget", BUDGET, "--bandwidth", BANDWIDTH, "--json"),
-                          capture_output=True, check=True, timeout=60)
+    done = subprocess.run(
+        polarkv("plan", "--budget", BUDGET, "--bandwidth", BANDWIDTH, "--json"),
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
     return {d["name"]: d for d in orjson.loads(done.stdout)["designs"]}
 
 
@@ -76,7 +80,9 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     top.set_ylim(0, 1)
     top.legend(fontsize=8)
     names = ["no cache", *results]
-    ttft = [next(iter(results.values()))["ttft_no_cache_s"]] + [r["ttft_s"] for r in results.values()]
+    ttft = [next(iter(results.values()))["ttft_no_cache_s"]] + [
+        r["ttft_s"] for r in results.values()
+    ]
     xs = range(len(names))
     bottom.bar([x - 0.2 for x in xs], [t["p50"] for t in ttft], 0.4, label="p50")
     bottom.bar([x + 0.2 for x in xs], [t["p90"] for t in ttft], 0.4, label="p90")
@@ -91,20 +97,37 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", default=str(ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl"))
+    parser.add_argument(
+        "--trace", default=str(ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl")
+    )
     parser.add_argument("--requests", default="2000")
     parser.add_argument("--scale", type=int, default=4096)
     parser.add_argument("--out", default=str(ROOT / "docs/results"))
     parser.add_argument("--only", choices=["a", "b"], default=None)
-    parser.add_argument("--replot", action="store_true",
-                        help="Redo summaries and plots from the last runs' raw JSON, run nothing.")
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="Redo summaries and plots from the last runs' raw JSON, run nothing.",
+    )
     opts = parser.parse_args()
     out, raw = Path(opts.out), ROOT / "bench-out/replay"
     out.mkdir(parents=True, exist_ok=True)
     raw.mkdir(parents=True, exist_ok=True)
     scale = opts.scale
-    common = ["--trace", opts.trace, "--requests", opts.requests, "--model", MODEL,
-              "--scale", str(scale), "--load-bandwidth", LOAD_BW, "--disk-bandwidth", DISK_BW]
+    common = [
+        "--trace",
+        opts.trace,
+        "--requests",
+        opts.requests,
+        "--model",
+        MODEL,
+        "--scale",
+        str(scale),
+        "--load-bandwidth",
+        LOAD_BW,
+        "--disk-bandwidth",
+        DISK_BW,
+    ]
     designs = plan_designs()
 
     def size(n: float) -> str:
@@ -112,42 +135,89 @@ def main() -> None:
 
     scenarios: dict[str, dict[str, list[str]]] = {
         "a": {
-            "memory_only": ["--embedded-roles", "manager,slab",
-                            "--set", f"slab.memory={size(designs['memory_only']['memory_bytes'])}"],
+            "memory_only": [
+                "--embedded-roles",
+                "manager,slab",
+                "--set",
+                f"slab.memory={size(designs['memory_only']['memory_bytes'])}",
+            ],
             # a disk-only pool still needs a buffer to read files into: 4 MiB (0.1% of its disk)
-            "disk_only": ["--set", "slab.memory=4MiB",
-                          "--set", f"disk.capacity={size(designs['disk_only']['disk_bytes'])}"],
-            "tiered": ["--set", f"slab.memory={size(designs['tiered']['memory_bytes'])}",
-                       "--set", f"disk.capacity={size(designs['tiered']['disk_bytes'])}"],
+            "disk_only": [
+                "--set",
+                "slab.memory=4MiB",
+                "--set",
+                f"disk.capacity={size(designs['disk_only']['disk_bytes'])}",
+            ],
+            "tiered": [
+                "--set",
+                f"slab.memory={size(designs['tiered']['memory_bytes'])}",
+                "--set",
+                f"disk.capacity={size(designs['tiered']['disk_bytes'])}",
+            ],
         },
         # (b): the same total memory (the memory-only design's), split over NODES private
         # caches or pooled; the shared tiered pool adds the tiered design's disk
         "b": {
-            "local_rr": ["--embedded-roles", "manager,slab", "--nodes", str(NODES), "--route", "rr",
-                         "--set", f"slab.memory={size(designs['memory_only']['memory_bytes'] / NODES)}"],
-            "local_session": ["--embedded-roles", "manager,slab", "--nodes", str(NODES),
-                              "--route", "session", "--set",
-                              f"slab.memory={size(designs['memory_only']['memory_bytes'] / NODES)}"],
-            "shared": ["--embedded-roles", "manager,slab",
-                       "--set", f"slab.memory={size(designs['memory_only']['memory_bytes'])}"],
-            "shared_tiered": ["--set", f"slab.memory={size(designs['memory_only']['memory_bytes'])}",
-                              "--set", f"disk.capacity={size(designs['tiered']['disk_bytes'])}"],
+            "local_rr": [
+                "--embedded-roles",
+                "manager,slab",
+                "--nodes",
+                str(NODES),
+                "--route",
+                "rr",
+                "--set",
+                f"slab.memory={size(designs['memory_only']['memory_bytes'] / NODES)}",
+            ],
+            "local_session": [
+                "--embedded-roles",
+                "manager,slab",
+                "--nodes",
+                str(NODES),
+                "--route",
+                "session",
+                "--set",
+                f"slab.memory={size(designs['memory_only']['memory_bytes'] / NODES)}",
+            ],
+            "shared": [
+                "--embedded-roles",
+                "manager,slab",
+                "--set",
+                f"slab.memory={size(designs['memory_only']['memory_bytes'])}",
+            ],
+            "shared_tiered": [
+                "--set",
+                f"slab.memory={size(designs['memory_only']['memory_bytes'])}",
+                "--set",
+                f"disk.capacity={size(designs['tiered']['disk_bytes'])}",
+            ],
         },
     }
-    titles = {"a": f"(a) equal budget ({BUDGET} CNY/month at {BANDWIDTH}), {MODEL}, 1/{scale} scale",
-              "b": f"(b) {NODES} per-node caches vs one shared pool (same memory), 1/{scale} scale"}
+    titles = {
+        "a": f"(a) equal budget ({BUDGET} CNY/month at {BANDWIDTH}), {MODEL}, 1/{scale} scale",
+        "b": f"(b) {NODES} per-node caches vs one shared pool (same memory), 1/{scale} scale",
+    }
     for key, runs in scenarios.items():
         if opts.only and key != opts.only:
             continue
         if opts.replot:
-            results = {name: orjson.loads((raw / f"{key}-{name}.json").read_bytes()) for name in runs}
+            results = {
+                name: orjson.loads((raw / f"{key}-{name}.json").read_bytes()) for name in runs
+            }
         else:
-            results = {name: replay(f"{key}-{name}", args, common, raw) for name, args in runs.items()}
+            results = {
+                name: replay(f"{key}-{name}", args, common, raw) for name, args in runs.items()
+            }
         plot(results, out / f"replay-scenario-{key}.png", titles[key])
         for r in results.values():
             del r["per_request"]
-        summary = {"scenario": titles[key], "plan": designs if key == "a" else None, "runs": results}
-        (out / f"replay-scenario-{key}.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        summary = {
+            "scenario": titles[key],
+            "plan": designs if key == "a" else None,
+            "runs": results,
+        }
+        (out / f"replay-scenario-{key}.json").write_bytes(
+            orjson.dumps(summary, option=orjson.OPT_INDENT_2)
+        )
 
 
 if __name__ == "__main__":

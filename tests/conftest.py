@@ -5,22 +5,18 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 
 from polarkv_lib.client.admin import AdminClient
-from polarkv_lib.node.buffer import remove_stale_buffers
+from polarkv_lib.tools.service import Service
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,6 +38,13 @@ def http(
     )
 
 
+def assert_usage_error(done: subprocess.CompletedProcess[str], message: str) -> None:
+    """A CLI refusal: exit status 2 and one line on stderr that says `message`."""
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+
+
 def prompt(conversation: int, chunks: int, chunk_tokens: int) -> list[int]:
     """The tokens of a test prompt: `chunks` full chunks, distinct per conversation."""
     return [conversation * 100_000 + t for t in range(chunks * chunk_tokens)]
@@ -54,8 +57,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class PolarKV:
-    """One running `polarkv` process."""
+class PolarKV(Service):
+    """One `polarkv` process of a test, in its own directory under the test's."""
 
     def __init__(
         self,
@@ -63,46 +66,10 @@ class PolarKV:
         name: str,
         roles: list[str],
         settings: Mapping[str, str | None],
-        env: dict[str, str] | None = None,
-        config_file: Path | None = None,
-        extra_args: list[str] | None = None,
-        max_files: int | None = None,
+        **options: Any,
     ) -> None:
-        self.workdir = workdir
+        super().__init__(str(workdir / name), roles, settings, **options)
         self.name = name
-        self.ready_file = workdir / f"{name}.ready.json"
-        self.log_path = workdir / f"{name}.log"
-        args = [sys.executable, str(ROOT / "polarkv.py")]
-        if max_files is not None:  # RLIMIT_NOFILE of the process, via util-linux's prlimit
-            args = ["prlimit", f"--nofile={max_files}:{max_files}", *args]
-        for role in roles:
-            args += ["--role", role]
-        if config_file is not None:
-            args += ["--config", str(config_file)]
-        for key, value in settings.items():
-            if value is not None:  # None: leave the key to the file, env or default
-                args += ["--set", f"{key}={value}"]
-        args += ["--ready-file", str(self.ready_file), *(extra_args or [])]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen(
-            args,
-            cwd=workdir,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        self.info: dict[str, Any] = {}
-
-    def wait_ready(self, timeout: float = 20.0) -> PolarKV:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                self.info = orjson.loads(self.ready_file.read_bytes())
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.02)
-        raise RuntimeError(f"{self.name} not ready in {timeout}s:\n{self.log()}")
 
     @property
     def manager_url(self) -> str:
@@ -113,40 +80,10 @@ class PolarKV:
         return str(self.info["slab_address"])
 
     def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._remove_orphan_buffer()
-
-    def _remove_orphan_buffer(self) -> None:
-        """A slab killed with -9 leaves its /dev/shm buffer behind (its node id, which
-        carries a random port, never comes back to reclaim it): the test removes it."""
-        node_id = self.info.get("node_id")
-        if node_id:
-            remove_stale_buffers("/dev/shm", str(node_id))
-
-    def terminate(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-                raise
-        return self.proc.returncode
+        return self.log_text()
 
     def close(self) -> None:
-        try:
-            self.terminate()
-        finally:
-            self._log.close()
-            if self.proc.returncode not in (0, None):
-                self._remove_orphan_buffer()
+        self.stop()
 
 
 class Cluster:
@@ -181,19 +118,22 @@ class Cluster:
             )
         name = name or f"p{len(self.procs)}"
         if "disk" in roles or not roles:
-            base.update({"disk.paths": str(self.workdir / f"{name}-disk"), "disk.capacity": "1GiB"})
+            base.update({"disk.paths": str(self.workdir / name / "disk"), "disk.capacity": "1GiB"})
         proc = PolarKV(
             self.workdir,
             name,
             roles,
             {**base, **(settings or {})},
-            env,
-            config_file,
-            extra_args,
-            max_files,
+            env=env,
+            config_file=config_file,
+            extra_args=extra_args or (),
+            max_files=max_files,
         )
         self.procs.append(proc)
-        return proc.wait_ready() if wait else proc
+        proc.start()
+        if wait:
+            proc.wait_ready()
+        return proc
 
     def manager(self, **settings: str) -> PolarKV:
         return self.start(["manager"], {"manager.heartbeat_ttl": "1s", **_dotted(settings)})
@@ -225,10 +165,7 @@ class Cluster:
 
     def close(self) -> None:
         for proc in reversed(self.procs):
-            try:
-                proc.close()
-            except Exception:
-                proc.kill()
+            proc.close()
 
 
 def _dotted(settings: dict[str, str]) -> dict[str, str]:
@@ -258,6 +195,44 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.close()
+
+
+# -- metadata stores ----------------------------------------------------------------------
+
+PG = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def pg(sql: str) -> list[tuple[object, ...]]:
+    """One statement on the test PostgreSQL database; its rows."""
+
+    async def run() -> list[tuple[object, ...]]:
+        import asyncpg
+
+        conn = await asyncpg.connect(PG)
+        try:
+            return [tuple(r) for r in await conn.fetch(sql)]
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def clean_pg() -> Iterator[None]:
+    """The test database without the manager's tables, before and after the test."""
+    pg("DROP TABLE IF EXISTS polarkv_entries, polarkv_nodes")
+    yield
+    pg("DROP TABLE IF EXISTS polarkv_entries, polarkv_nodes")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def metadata_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The manager's metadata store, each kind in turn: a SQLite file in the test's
+    directory, or the (emptied) PostgreSQL test database."""
+    if request.param == "postgresql":
+        request.getfixturevalue("clean_pg")
+        return PG
+    return f"sqlite:///{tmp_path / 'meta.db'}"
 
 
 # -- the event loop stays free ------------------------------------------------------------

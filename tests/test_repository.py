@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import tomllib
+from pathlib import Path
+
+import pytest
 
 from polarkv_lib.config import Config, describe_keys, load_config
 from tests.conftest import ROOT
@@ -20,3 +24,70 @@ def test_readme_names_the_test_command_that_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "scripts/check" in readme and "scripts/check" in ci
+
+
+# What each room of the package may import from the package (docs/ARCHITECTURE.md):
+# the lower rooms never reach up, the manager never reaches the node or client side.
+LEAVES = (
+    "polarkv_lib.errors",
+    "polarkv_lib.keys",
+    "polarkv_lib.logs",
+    "polarkv_lib.host",
+    "polarkv_lib.shards",
+    "polarkv_lib.tools.progress",
+)
+MAY_IMPORT = {
+    "wire": ("polarkv_lib.wire", "polarkv_lib.errors", "polarkv_lib.keys"),
+    "transport": ("polarkv_lib.transport", "polarkv_lib.wire", *LEAVES),
+    "client": (
+        "polarkv_lib.client",
+        "polarkv_lib.transport",
+        "polarkv_lib.wire",
+        "polarkv_lib.config",
+        *LEAVES,
+    ),
+    "manager": ("polarkv_lib.manager", "polarkv_lib.wire", "polarkv_lib.config", *LEAVES),
+    "node": (
+        "polarkv_lib.node",
+        "polarkv_lib.client",
+        "polarkv_lib.transport",
+        "polarkv_lib.wire",
+        "polarkv_lib.config",
+        *LEAVES,
+    ),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("polarkv_lib.")}
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("room", sorted(MAY_IMPORT))
+def test_imports_run_one_way(room: str) -> None:
+    allowed = MAY_IMPORT[room]
+    wrong = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in (ROOT / "polarkv_lib" / room).rglob("*.py")
+        for name in _imports(path)
+        # `from polarkv_lib.wire import frames` names a module; `... import Op` a class in one
+        if not _within(name, (*allowed, "polarkv_lib.__version__"))
+        and not _within(name.rpartition(".")[0], allowed)
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_leaves_import_nothing_of_the_package() -> None:
+    for leaf in LEAVES:
+        path = ROOT / (leaf.replace(".", "/") + ".py")
+        assert _imports(path) == set(), leaf

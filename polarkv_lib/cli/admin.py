@@ -17,7 +17,7 @@ import click
 import orjson
 
 from polarkv_lib.cli import views
-from polarkv_lib.cli.api import AdminError, Shards
+from polarkv_lib.cli.api import AdminError, Shard, Shards
 from polarkv_lib.config import Config, load_config
 from polarkv_lib.errors import ConfigError, ExitCode
 from polarkv_lib.keys import is_valid_key
@@ -43,8 +43,12 @@ def _shards(ctx: click.Context, url: str | None) -> Shards:
     config = _config(ctx)
     sec = config.security
     try:
-        return Shards.from_urls(url or config.client.manager_url, sec.token, sec.admin_token,
-                                timeout=config.client.timeout + 3)
+        return Shards.from_urls(
+            url or config.client.manager_url,
+            sec.token,
+            sec.admin_token,
+            timeout=config.client.timeout + 3,
+        )
     except ValueError as exc:
         fail(f"--url: {exc}")
 
@@ -60,8 +64,12 @@ def _check_key(key: str) -> str:
 
 
 def _url_option(f: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--url", default=None, metavar="URL[,URL...]",
-                        help="Manager URL(s), shards in order (default: client.manager_url).")(f)
+    return click.option(
+        "--url",
+        default=None,
+        metavar="URL[,URL...]",
+        help="Manager URL(s), shards in order (default: client.manager_url).",
+    )(f)
 
 
 def _json_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,10 +77,20 @@ def _json_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _watch_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    f = click.option("--count", default=0, show_default=True, type=click.IntRange(min=0),
-                     help="With --watch: stop after this many refreshes (0: until Ctrl-C).")(f)
-    f = click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
-                     help="Seconds between refreshes with --watch.")(f)
+    f = click.option(
+        "--count",
+        default=0,
+        show_default=True,
+        type=click.IntRange(min=0),
+        help="With --watch: stop after this many refreshes (0: until Ctrl-C).",
+    )(f)
+    f = click.option(
+        "--interval",
+        default=2.0,
+        show_default=True,
+        type=click.FloatRange(min=0.1),
+        help="Seconds between refreshes with --watch.",
+    )(f)
     return click.option("--watch", is_flag=True, help="Refresh until Ctrl-C (a live view).")(f)
 
 
@@ -88,7 +106,8 @@ def collect_stats(shards: Shards) -> tuple[dict[str, Any], list[tuple[str, dict[
     """(summed stats, per-shard answers or error texts)."""
     answers = shards.each("stats")
     per_shard: list[tuple[str, dict[str, Any] | str]] = [
-        (s.url, str(a) if isinstance(a, AdminError) else a) for s, a in answers]
+        (s.url, str(a) if isinstance(a, AdminError) else a) for s, a in answers
+    ]
     good = [a for _, a in per_shard if isinstance(a, dict)]
     merged = None
     if len(shards.shards) > 1:  # count nodes once by id, not once per shard
@@ -97,10 +116,16 @@ def collect_stats(shards: Shards) -> tuple[dict[str, Any], list[tuple[str, dict[
     return views.sum_stats(good, merged), per_shard
 
 
-def _stats_json(total: dict[str, Any], per_shard: list[tuple[str, dict[str, Any] | str]]
-                ) -> dict[str, Any]:
-    return {**total, "shards": [{"url": u, "stats": a} if isinstance(a, dict) else {"url": u, "error": a}
-                                for u, a in per_shard]}
+def _stats_json(
+    total: dict[str, Any], per_shard: list[tuple[str, dict[str, Any] | str]]
+) -> dict[str, Any]:
+    return {
+        **total,
+        "shards": [
+            {"url": u, "stats": a} if isinstance(a, dict) else {"url": u, "error": a}
+            for u, a in per_shard
+        ],
+    }
 
 
 @admin.command("stats")
@@ -108,8 +133,9 @@ def _stats_json(total: dict[str, Any], per_shard: list[tuple[str, dict[str, Any]
 @_json_option
 @_watch_options
 @click.pass_context
-def stats(ctx: click.Context, url: str | None, as_json: bool, watch: bool, interval: float,
-          count: int) -> None:
+def stats(
+    ctx: click.Context, url: str | None, as_json: bool, watch: bool, interval: float, count: int
+) -> None:
     """Keys, bytes and capacity by tier, hits, misses, tiering: summed over shards."""
     shards = _shards(ctx, url)
     previous: tuple[float, dict[str, Any]] | None = None
@@ -117,8 +143,13 @@ def stats(ctx: click.Context, url: str | None, as_json: bool, watch: bool, inter
         total, per_shard = collect_stats(shards)
         errors = [a for _, a in per_shard if isinstance(a, str)]
         if as_json:
-            click.echo(orjson.dumps(_stats_json(total, per_shard)).decode() if watch
-                       else orjson.dumps(_stats_json(total, per_shard), option=orjson.OPT_INDENT_2).decode())
+            click.echo(
+                orjson.dumps(_stats_json(total, per_shard)).decode()
+                if watch
+                else orjson.dumps(
+                    _stats_json(total, per_shard), option=orjson.OPT_INDENT_2
+                ).decode()
+            )
         else:
             text = views.stats_table(per_shard, total)
             now = time.monotonic()
@@ -127,8 +158,12 @@ def stats(ctx: click.Context, url: str | None, as_json: bool, watch: bool, inter
             previous = (now, total)
             _show(text, watch, ", ".join(s.url for s in shards.shards))
         if errors and not watch:
-            fail(errors[0] if len(errors) == 1 else f"{len(errors)} shards did not answer: {errors[0]}",
-                 EXIT_RUNTIME)
+            fail(
+                errors[0]
+                if len(errors) == 1
+                else f"{len(errors)} shards did not answer: {errors[0]}",
+                EXIT_RUNTIME,
+            )
 
 
 def _refreshes(watch: bool, interval: float, count: int) -> Any:
@@ -165,8 +200,9 @@ def _show(text: str, watch: bool, where: str) -> None:
 @_json_option
 @_watch_options
 @click.pass_context
-def nodes(ctx: click.Context, url: str | None, as_json: bool, watch: bool, interval: float,
-          count: int) -> None:
+def nodes(
+    ctx: click.Context, url: str | None, as_json: bool, watch: bool, interval: float, count: int
+) -> None:
     """The slab/disk nodes: state, memory and disk against capacity, keys, heartbeat."""
     shards = _shards(ctx, url)
     for _ in _refreshes(watch, interval, count):
@@ -174,11 +210,20 @@ def nodes(ctx: click.Context, url: str | None, as_json: bool, watch: bool, inter
         errors = [str(a) for _, a in answers if isinstance(a, AdminError)]
         merged = views.merge_nodes([a for _, a in answers if not isinstance(a, AdminError)])
         if as_json:
-            doc = {"nodes": merged,
-                   "shards": [{"url": s.url, "error": str(a)} if isinstance(a, AdminError)
-                              else {"url": s.url, "nodes": a} for s, a in answers]}
-            click.echo(orjson.dumps(doc).decode() if watch
-                       else orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+            doc = {
+                "nodes": merged,
+                "shards": [
+                    {"url": s.url, "error": str(a)}
+                    if isinstance(a, AdminError)
+                    else {"url": s.url, "nodes": a}
+                    for s, a in answers
+                ],
+            }
+            click.echo(
+                orjson.dumps(doc).decode()
+                if watch
+                else orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode()
+            )
         else:
             text = views.nodes_table(merged)
             if errors:
@@ -191,6 +236,18 @@ def nodes(ctx: click.Context, url: str | None, as_json: bool, watch: bool, inter
 # -- one key ------------------------------------------------------------------------------
 
 
+def _ask_owner(
+    ctx: click.Context, url: str | None, key: str, call: Callable[[Shard, str], dict[str, Any]]
+) -> tuple[Shard, dict[str, Any]]:
+    """`call` on the shard that owns KEY; a refusal or an unreachable shard ends the command."""
+    _check_key(key)
+    shard = _shards(ctx, url).owner(key)
+    try:
+        return shard, call(shard, key)
+    except AdminError as exc:
+        fail(str(exc), EXIT_RUNTIME)
+
+
 @admin.command("key")
 @click.argument("key")
 @_url_option
@@ -198,12 +255,7 @@ def nodes(ctx: click.Context, url: str | None, as_json: bool, watch: bool, inter
 @click.pass_context
 def key(ctx: click.Context, key: str, url: str | None, as_json: bool) -> None:
     """Where KEY is: tier(s), node, size, checksum, state, last access (asks its shard)."""
-    _check_key(key)
-    shard = _shards(ctx, url).owner(key)
-    try:
-        view = shard.key(key)
-    except AdminError as exc:
-        fail(str(exc), EXIT_RUNTIME)
+    _, view = _ask_owner(ctx, url, key, Shard.key)
     if as_json:
         _dump(view)
     else:
@@ -217,12 +269,7 @@ def key(ctx: click.Context, key: str, url: str | None, as_json: bool) -> None:
 @click.pass_context
 def delete(ctx: click.Context, key: str, url: str | None, as_json: bool) -> None:
     """Drop KEY everywhere (memory and disk). Needs the admin token where one is set."""
-    _check_key(key)
-    shard = _shards(ctx, url).owner(key)
-    try:
-        result = shard.delete(key)
-    except AdminError as exc:
-        fail(str(exc), EXIT_RUNTIME)
+    shard, result = _ask_owner(ctx, url, key, Shard.delete)
     if as_json:
         _dump(result)
     else:
@@ -236,13 +283,23 @@ def delete(ctx: click.Context, key: str, url: str | None, as_json: bool) -> None
 @click.argument("node_id", metavar="NODE")
 @_url_option
 @_json_option
-@click.option("--wait/--no-wait", default=True, show_default=True,
-              help="Wait until NODE holds no memory entries (then it can be stopped).")
-@click.option("--timeout", default=300.0, show_default=True, type=click.FloatRange(min=0),
-              help="Seconds to wait with --wait.")
+@click.option(
+    "--wait/--no-wait",
+    default=True,
+    show_default=True,
+    help="Wait until NODE holds no memory entries (then it can be stopped).",
+)
+@click.option(
+    "--timeout",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds to wait with --wait.",
+)
 @click.pass_context
-def drain(ctx: click.Context, node_id: str, url: str | None, as_json: bool, wait: bool,
-          timeout: float) -> None:
+def drain(
+    ctx: click.Context, node_id: str, url: str | None, as_json: bool, wait: bool, timeout: float
+) -> None:
     """Stop placing writes on NODE and move its memory entries out: those with a disk
     copy drop their memory copy, the others are offloaded to its disk (or dropped when
     it has none). Then NODE can be stopped without losing its disk copies."""
@@ -256,11 +313,15 @@ def drain(ctx: click.Context, node_id: str, url: str | None, as_json: bool, wait
     if as_json:
         _dump(report)
     elif report["drained"]:
-        click.echo(f"node {node_id} drained: no memory entries left; "
-                   f"{report['keys_disk']:,} keys stay on its disk. It can be stopped now.")
+        click.echo(
+            f"node {node_id} drained: no memory entries left; "
+            f"{report['keys_disk']:,} keys stay on its disk. It can be stopped now."
+        )
     else:
-        click.echo(f"node {node_id} draining: {report['keys_memory']:,} memory entries left "
-                   f"(new writes go elsewhere)")
+        click.echo(
+            f"node {node_id} draining: {report['keys_memory']:,} memory entries left "
+            f"(new writes go elsewhere)"
+        )
 
 
 # -- metrics ------------------------------------------------------------------------------

@@ -25,40 +25,21 @@ class AdminError(Exception):
         self.status = status
 
 
-class Shard:
-    """One manager's admin API (client/admin.py's AdminClient), failures as AdminError."""
+class Shard(AdminClient):
+    """One manager's admin API, its failures raised as AdminError."""
 
-    def __init__(self, url: str, token: str = "", admin_token: str = "", timeout: float = 5.0) -> None:
-        self.url = url
+    def __init__(
+        self, url: str, token: str = "", admin_token: str = "", timeout: float = 5.0
+    ) -> None:
         # Reads take the token, or the admin token when it is the only one given.
-        self._client = AdminClient(url, token or admin_token, admin_token, timeout)
+        super().__init__(url, token or admin_token, admin_token, timeout)
+        self.url = url
 
     def call(self, method: str, path: str, body: Any = None, admin: bool = False) -> Any:
         try:
-            return self._client.call(method, path, body, admin=admin)
+            return super().call(method, path, body, admin=admin)
         except PolarKVError as exc:
             raise AdminError(self.url, str(exc), getattr(exc, "status", 0)) from None
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.call("GET", "/v1/stats"))
-
-    def nodes(self) -> list[dict[str, Any]]:
-        return list(self.call("GET", "/v1/nodes")["nodes"])
-
-    def events(self, since: int = 0) -> dict[str, Any]:
-        return dict(self.call("GET", f"/v1/events?since={since}"))
-
-    def key(self, key: str) -> dict[str, Any]:
-        return dict(self.call("GET", f"/v1/keys/{key}"))
-
-    def delete(self, key: str) -> dict[str, Any]:
-        return dict(self.call("DELETE", f"/v1/keys/{key}", admin=True))
-
-    def drain(self, node_id: str) -> dict[str, Any]:
-        return dict(self.call("POST", f"/v1/nodes/{node_id}/drain", {}, admin=True))
-
-    def metrics(self) -> str:
-        return str(self.call("GET", "/metrics"))
 
 
 @dataclass(frozen=True)
@@ -68,8 +49,9 @@ class Shards:
     shards: list[Shard]
 
     @classmethod
-    def from_urls(cls, urls: str | list[str], token: str = "", admin_token: str = "",
-                  timeout: float = 5.0) -> Shards:
+    def from_urls(
+        cls, urls: str | list[str], token: str = "", admin_token: str = "", timeout: float = 5.0
+    ) -> Shards:
         return cls([Shard(u, token, admin_token, timeout) for u in split_urls(urls)])
 
     def owner(self, key: str) -> Shard:

@@ -49,11 +49,17 @@ def drain_node(shards: Shards, node_id: str, wait: bool, timeout: float) -> dict
             start = keys_memory
             while keys_memory or pending:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"node {node_id} still holds {keys_memory} memory entries "
-                                       f"after {timeout:.0f}s (it keeps draining)")
+                    raise TimeoutError(
+                        f"node {node_id} still holds {keys_memory} memory entries "
+                        f"after {timeout:.0f}s (it keeps draining)"
+                    )
                 time.sleep(POLL_S)
                 keys_memory, pending, keys_disk = _remaining(shards, node_id)
                 bar.update(max(start - keys_memory - bar.done, 0))
-    return {"node": node_id, "drained": not keys_memory and not pending, "keys_memory": keys_memory,
-            "keys_disk": keys_disk, "shards": answers}
-
+    return {
+        "node": node_id,
+        "drained": not keys_memory and not pending,
+        "keys_memory": keys_memory,
+        "keys_disk": keys_disk,
+        "shards": answers,
+    }

@@ -39,8 +39,9 @@ def percent(rate: float | None) -> str:
     return "-" if rate is None else f"{100 * rate:.1f}%"
 
 
-def sum_stats(per_shard: Sequence[dict[str, Any]], nodes: Sequence[dict[str, Any]] | None = None
-              ) -> dict[str, Any]:
+def sum_stats(
+    per_shard: Sequence[dict[str, Any]], nodes: Sequence[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Add up the shards' /v1/stats. `nodes` (merged, see merge_nodes) gives the node
     counts; without it the largest shard's counts stand in."""
     total: dict[str, Any] = {}
@@ -59,8 +60,15 @@ def sum_stats(per_shard: Sequence[dict[str, Any]], nodes: Sequence[dict[str, Any
     return total
 
 
-NODE_SUMMED = ("memory_used", "memory_capacity", "keys_memory", "bytes_memory",
-               "disk_used", "disk_capacity", "keys_disk")
+NODE_SUMMED = (
+    "memory_used",
+    "memory_capacity",
+    "keys_memory",
+    "bytes_memory",
+    "disk_used",
+    "disk_capacity",
+    "keys_disk",
+)
 
 
 def merge_nodes(per_shard: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -79,8 +87,9 @@ def merge_nodes(per_shard: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str,
             if node["state"] != "alive":
                 row["state"] = node["state"]
             row["draining"] = bool(row.get("draining")) or bool(node.get("draining"))
-            row["last_heartbeat"] = max(float(row.get("last_heartbeat") or 0),
-                                        float(node.get("last_heartbeat") or 0))
+            row["last_heartbeat"] = max(
+                float(row.get("last_heartbeat") or 0), float(node.get("last_heartbeat") or 0)
+            )
     return sorted(merged.values(), key=lambda n: (n["state"] != "alive", str(n["id"])))
 
 
@@ -88,17 +97,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns padded to fit; numbers (and their text forms) right-aligned."""
     cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    numeric = [all(_looks_numeric(r[i]) for r in cells[1:]) and len(cells) > 1
-               for i in range(len(headers))]
+    numeric = [
+        all(_looks_numeric(r[i]) for r in cells[1:]) and len(cells) > 1 for i in range(len(headers))
+    ]
     lines = []
     for r in cells:
-        parts = [c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric, strict=True)]
+        parts = [
+            c.rjust(w) if num else c.ljust(w) for c, w, num in zip(r, widths, numeric, strict=True)
+        ]
         lines.append("  ".join(parts).rstrip())
     return "\n".join(lines)
 
 
 def _looks_numeric(text: str) -> bool:
-    stripped = text.replace(",", "").replace(".", "").replace("%", "").replace("/", "").replace("-", "")
+    stripped = (
+        text.replace(",", "").replace(".", "").replace("%", "").replace("/", "").replace("-", "")
+    )
     return stripped.isdigit() or text == "-"
 
 
@@ -106,21 +120,39 @@ def count(n: Any) -> str:
     return f"{int(n):,}"
 
 
-STATS_HEADERS = ("SHARD", "NODES", "MEMORY", "DISK", "KEYS MEM/DISK", "HIT RATE",
-                 "HITS MEM/DISK", "MISSES", "STORES", "OFFLOADS/RELOADS", "EVICTIONS", "FAILURES")
+STATS_HEADERS = (
+    "SHARD",
+    "NODES",
+    "MEMORY",
+    "DISK",
+    "KEYS MEM/DISK",
+    "HIT RATE",
+    "HITS MEM/DISK",
+    "MISSES",
+    "STORES",
+    "OFFLOADS/RELOADS",
+    "EVICTIONS",
+    "FAILURES",
+)
 
 
 def stats_row(label: str, s: dict[str, Any]) -> list[str]:
     failures = int(s.get("tier_failures", 0)) + int(s.get("checksum_failures", 0))
     dead = int(s.get("nodes_dead", 0))
-    return [label, f"{s.get('nodes', 0)} up" + (f" {dead} dead" if dead else ""),
-            used_of(int(s.get("bytes_memory", 0)), int(s.get("capacity_memory", 0))),
-            used_of(int(s.get("bytes_disk", 0)), int(s.get("capacity_disk", 0))),
-            f"{count(s.get('keys_memory', 0))}/{count(s.get('keys_disk', 0))}",
-            percent(hit_rate(s)), f"{count(s.get('hits_memory', 0))}/{count(s.get('hits_disk', 0))}",
-            count(s.get("misses", 0)), count(s.get("commits", 0)),
-            f"{count(s.get('offloads', 0))}/{count(s.get('reloads', 0))}", count(s.get("evictions", 0)),
-            count(failures)]
+    return [
+        label,
+        f"{s.get('nodes', 0)} up" + (f" {dead} dead" if dead else ""),
+        used_of(int(s.get("bytes_memory", 0)), int(s.get("capacity_memory", 0))),
+        used_of(int(s.get("bytes_disk", 0)), int(s.get("capacity_disk", 0))),
+        f"{count(s.get('keys_memory', 0))}/{count(s.get('keys_disk', 0))}",
+        percent(hit_rate(s)),
+        f"{count(s.get('hits_memory', 0))}/{count(s.get('hits_disk', 0))}",
+        count(s.get("misses", 0)),
+        count(s.get("commits", 0)),
+        f"{count(s.get('offloads', 0))}/{count(s.get('reloads', 0))}",
+        count(s.get("evictions", 0)),
+        count(failures),
+    ]
 
 
 def stats_table(shards: Sequence[tuple[str, dict[str, Any] | str]], total: dict[str, Any]) -> str:
@@ -139,21 +171,38 @@ def stats_table(shards: Sequence[tuple[str, dict[str, Any] | str]], total: dict[
     return "\n".join([table(STATS_HEADERS, rows)] + [f"unreachable: {d}" for d in down])
 
 
-RATE_FIELDS = (("lookups", "lookups/s"), ("hits", "hits/s"), ("commits", "stores/s"),
-               ("offloads", "offloads/s"), ("reloads", "reloads/s"), ("evictions", "evictions/s"))
+RATE_FIELDS = (
+    ("lookups", "lookups/s"),
+    ("hits", "hits/s"),
+    ("commits", "stores/s"),
+    ("offloads", "offloads/s"),
+    ("reloads", "reloads/s"),
+    ("evictions", "evictions/s"),
+)
 
 
 def rates_line(before: dict[str, Any], after: dict[str, Any], seconds: float) -> str:
     """Per-second rates between two summed stats (the --watch view)."""
     if seconds <= 0:
         return ""
-    parts = [f"{label} {(int(after.get(k, 0)) - int(before.get(k, 0))) / seconds:,.1f}"
-             for k, label in RATE_FIELDS]
+    parts = [
+        f"{label} {(int(after.get(k, 0)) - int(before.get(k, 0))) / seconds:,.1f}"
+        for k, label in RATE_FIELDS
+    ]
     return "  ".join(parts)
 
 
-NODE_HEADERS = ("NODE", "STATE", "ADDRESS", "MEMORY", "DISK", "KEYS MEM", "KEYS DISK",
-                "HEARTBEAT", "SHARDS")
+NODE_HEADERS = (
+    "NODE",
+    "STATE",
+    "ADDRESS",
+    "MEMORY",
+    "DISK",
+    "KEYS MEM",
+    "KEYS DISK",
+    "HEARTBEAT",
+    "SHARDS",
+)
 
 
 def nodes_table(nodes: Sequence[dict[str, Any]], now: float | None = None) -> str:
@@ -163,11 +212,19 @@ def nodes_table(nodes: Sequence[dict[str, Any]], now: float | None = None) -> st
         state = str(n["state"]) + (" draining" if n.get("draining") else "")
         beat = n.get("last_heartbeat")
         age = f"{max(now - float(beat), 0):.1f}s ago" if beat else "-"
-        rows.append([n["id"], state, n.get("address", ""),
-                     used_of(int(n.get("memory_used", 0)), int(n.get("memory_capacity", 0))),
-                     used_of(int(n.get("disk_used", 0)), int(n.get("disk_capacity", 0))),
-                     count(n.get("keys_memory", 0)), count(n.get("keys_disk", 0)), age,
-                     ",".join(str(s) for s in n.get("shards", [0]))])
+        rows.append(
+            [
+                n["id"],
+                state,
+                n.get("address", ""),
+                used_of(int(n.get("memory_used", 0)), int(n.get("memory_capacity", 0))),
+                used_of(int(n.get("disk_used", 0)), int(n.get("disk_capacity", 0))),
+                count(n.get("keys_memory", 0)),
+                count(n.get("keys_disk", 0)),
+                age,
+                ",".join(str(s) for s in n.get("shards", [0])),
+            ]
+        )
     if not rows:
         return "no nodes registered"
     return table(NODE_HEADERS, rows)

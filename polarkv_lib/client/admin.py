@@ -113,3 +113,9 @@ class AdminClient:
 
     def delete(self, key: str) -> dict[str, Any]:
         return dict(self.call("DELETE", f"/v1/keys/{key}", admin=True))
+
+    def events(self, since: int = 0) -> dict[str, Any]:
+        return dict(self.call("GET", f"/v1/events?since={since}"))
+
+    def drain(self, node_id: str) -> dict[str, Any]:
+        return dict(self.call("POST", f"/v1/nodes/{node_id}/drain", {}, admin=True))

@@ -73,29 +73,50 @@ def _as_view(data: object, what: str) -> memoryview:
 
 
 def _nodes(reply: dict[str, Any]) -> dict[str, NodeTarget]:
-    return {node_id: NodeTarget(node_id, n["address"], int(n["incarnation"]), n.get("shm_path", ""),
-                                n.get("host_id", ""), tuple(n.get("transports", ("tcp",))))
-            for node_id, n in reply.get("nodes", {}).items()}
+    return {
+        node_id: NodeTarget(
+            node_id,
+            n["address"],
+            int(n["incarnation"]),
+            n.get("shm_path", ""),
+            n.get("host_id", ""),
+            tuple(n.get("transports", ("tcp",))),
+        )
+        for node_id, n in reply.get("nodes", {}).items()
+    }
 
 
 def _region(entry: dict[str, Any], nodes: dict[str, NodeTarget]) -> Region:
-    return Region(nodes[entry["node"]], int(entry["offset"]), int(entry["size"]),
-                  bytes.fromhex(entry["grant"]))
+    return Region(
+        nodes[entry["node"]],
+        int(entry["offset"]),
+        int(entry["size"]),
+        bytes.fromhex(entry["grant"]),
+    )
 
 
 DEFAULTS = ClientConfig()  # the one place client defaults are written
 
 
 class AsyncPolarKVClient:
-    def __init__(self, manager_url: str = DEFAULTS.manager_url, namespace: str = "",
-                 chunk_tokens: int = DEFAULTS.chunk_tokens, token: str | None = None,
-                 transport: str = DEFAULTS.transport, timeout: float = DEFAULTS.timeout,
-                 connections: int = DEFAULTS.connections, window: int = DEFAULTS.window,
-                 breaker_interval: float = DEFAULTS.breaker_interval) -> None:
+    def __init__(
+        self,
+        manager_url: str = DEFAULTS.manager_url,
+        namespace: str = "",
+        chunk_tokens: int = DEFAULTS.chunk_tokens,
+        token: str | None = None,
+        transport: str = DEFAULTS.transport,
+        timeout: float = DEFAULTS.timeout,
+        connections: int = DEFAULTS.connections,
+        window: int = DEFAULTS.window,
+        breaker_interval: float = DEFAULTS.breaker_interval,
+    ) -> None:
         try:  # one URL, or one per manager shard in shard order (comma separated)
             split_urls(manager_url)
         except (ValueError, TypeError, AttributeError):
-            raise ValueError(f"manager_url must be http(s) URLs, one per shard, got {manager_url!r}") from None
+            raise ValueError(
+                f"manager_url must be http(s) URLs, one per shard, got {manager_url!r}"
+            ) from None
         if not isinstance(namespace, str):
             raise TypeError("namespace must be a str")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -125,8 +146,9 @@ class AsyncPolarKVClient:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: Config | ClientConfig, namespace: str = "",
-                    token: str | None = None) -> AsyncPolarKVClient:
+    def from_config(
+        cls, config: Config | ClientConfig, namespace: str = "", token: str | None = None
+    ) -> AsyncPolarKVClient:
         """A client with the `[client]` settings of a config; with a whole Config, the
         token defaults to `security.token`."""
         return cls(namespace=namespace, **client_kwargs(config, token))
@@ -180,8 +202,9 @@ class AsyncPolarKVClient:
             raise ValueError("chunks must not be empty")
         return await self._guarded(self._store(keys[: len(views)], views), 0)
 
-    async def load_kv(self, tokens: Any, out: Sequence[BufferLike] | None = None
-                      ) -> tuple[int, list[memoryview]]:
+    async def load_kv(
+        self, tokens: Any, out: Sequence[BufferLike] | None = None
+    ) -> tuple[int, list[memoryview]]:
         """The longest cached prefix: (n_tokens, one buffer per hit chunk). With `out`,
         chunk i lands in out[i] (zero-copy into caller memory) and the views are slices
         of those buffers."""
@@ -234,8 +257,9 @@ class AsyncPolarKVClient:
             raise ValueError("values must not be empty")
         return await self._guarded(self._store(checked, views), 0) if checked else 0
 
-    async def get_many(self, keys: Sequence[str], out: Sequence[BufferLike] | None = None
-                       ) -> list[memoryview]:
+    async def get_many(
+        self, keys: Sequence[str], out: Sequence[BufferLike] | None = None
+    ) -> list[memoryview]:
         """The values of the leading stored keys; with `out`, read into out[i]."""
         self._check_open()
         checked = [check_key(k) for k in keys]
@@ -268,14 +292,16 @@ class AsyncPolarKVClient:
     def _transport_for(self, node: NodeTarget) -> Transport | None:
         return pick(self._transports, node)
 
-    async def _transfer(self, write: bool, moves: Sequence[tuple[Region, memoryview]],
-                        deadline: float) -> list[str | None]:
+    async def _transfer(
+        self, write: bool, moves: Sequence[tuple[Region, memoryview]], deadline: float
+    ) -> list[str | None]:
         """Move a window's regions; return each one's checksum, or None where it failed.
 
         At most `connections` pool tasks each move every n-th region in turn, rather than
         one task per region: a dispatch to the pool costs tens of microseconds, a tenth of
         a 1 MiB shm copy. Each chunk is hashed in the same task right after its copy, while
         its bytes are still in cache, and on all pool threads at once."""
+
         def move(part: range) -> list[str | None]:
             sums: list[str | None] = []
             for i in part:
@@ -286,13 +312,15 @@ class AsyncPolarKVClient:
         failures: list[int] = []  # one entry per failed transfer; list.append is thread-safe
         n = min(self._connections, len(moves))
         loop = asyncio.get_running_loop()
-        done = await asyncio.gather(*(loop.run_in_executor(self._pool, move, range(k, len(moves), n))
-                                      for k in range(n)))
+        done = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, move, range(k, len(moves), n)) for k in range(n))
+        )
         self.stats.transfer_failures += len(failures)
         return [done[i % n][i // n] for i in range(len(moves))]
 
-    def _move_one(self, write: bool, region: Region, view: memoryview, deadline: float,
-                  failures: list[int]) -> str | None:
+    def _move_one(
+        self, write: bool, region: Region, view: memoryview, deadline: float, failures: list[int]
+    ) -> str | None:
         """One transfer and its checksum, in a pool thread."""
         transport = self._transport_for(region.node)
         if transport is None:
@@ -301,7 +329,8 @@ class AsyncPolarKVClient:
         breaker = self._slab_breakers.get(address)
         if breaker is None:
             breaker = self._slab_breakers.setdefault(
-                address, CircuitBreaker(f"slab {address}", self._breaker_interval))
+                address, CircuitBreaker(f"slab {address}", self._breaker_interval)
+            )
         try:
             breaker.check()
             (transport.write_from if write else transport.read_into)(region, view, deadline)
@@ -319,6 +348,7 @@ class AsyncPolarKVClient:
 
     def _background(self, call: Awaitable[None], what: str) -> None:
         """Fire a release/abort without making the caller wait; tracked, awaited on close."""
+
         async def send() -> None:
             try:
                 await call
@@ -342,8 +372,9 @@ class AsyncPolarKVClient:
         todo = list(range(len(keys)))
         while todo:
             part = todo[: self.window]
-            reply = await self._control.allocate([(keys[i], len(views[i])) for i in part], deadline,
-                                                 self._server_wait(deadline))
+            reply = await self._control.allocate(
+                [(keys[i], len(views[i])) for i in part], deadline, self._server_wait(deadline)
+            )
             nodes = _nodes(reply)
             writes: list[tuple[int, Region]] = []
             no_space: list[int] = []
@@ -362,7 +393,7 @@ class AsyncPolarKVClient:
             # nothing ends it. Without one, room would come from evicting the least
             # recently used entries — this prompt's own head: the head stays stored.
             retry = bool(no_space) and committed > 0 and await self._tiered(deadline)
-            todo = (no_space if retry else []) + todo[len(part):]
+            todo = (no_space if retry else []) + todo[len(part) :]
         return stored
 
     async def _tiered(self, deadline: float) -> bool:
@@ -372,8 +403,14 @@ class AsyncPolarKVClient:
             self._tiered_at = now
         return self._tiered_value
 
-    async def _write_window(self, keys: list[str], views: list[memoryview],
-                            writes: list[tuple[int, Region]], lease: str | None, deadline: float) -> int:
+    async def _write_window(
+        self,
+        keys: list[str],
+        views: list[memoryview],
+        writes: list[tuple[int, Region]],
+        lease: str | None,
+        deadline: float,
+    ) -> int:
         """Write the allocated regions, commit what arrived whole; how many committed."""
         if not writes or lease is None:
             return 0
@@ -381,7 +418,9 @@ class AsyncPolarKVClient:
         ok = [(keys[i], s) for (i, _), s in zip(writes, sums, strict=True) if s is not None]
         failed = [keys[i] for (i, _), s in zip(writes, sums, strict=True) if s is None]
         if failed:
-            self._background(self._control.abort(lease, failed, time.monotonic() + self.timeout), "abort")
+            self._background(
+                self._control.abort(lease, failed, time.monotonic() + self.timeout), "abort"
+            )
         if not ok:
             return 0
         results = await self._control.commit(lease, ok, deadline)
@@ -391,25 +430,36 @@ class AsyncPolarKVClient:
         deadline = time.monotonic() + self.timeout
         loaded: list[memoryview] = []
         for start in range(0, len(keys), self.window):
-            part = keys[start: start + self.window]
+            part = keys[start : start + self.window]
             reply = await self._control.lookup(part, deadline, wait=self._server_wait(deadline))
             entries = reply["entries"]
             if not entries:
                 break
             corrupt: list[str] = []
             try:
-                good, corrupt = await self._read_window(start, entries, _nodes(reply), targets, deadline)
+                good, corrupt = await self._read_window(
+                    start, entries, _nodes(reply), targets, deadline
+                )
             finally:
-                self._background(self._control.release([reply["lease"]], time.monotonic() + self.timeout,
-                                                       corrupt), "release")
+                self._background(
+                    self._control.release(
+                        [reply["lease"]], time.monotonic() + self.timeout, corrupt
+                    ),
+                    "release",
+                )
             loaded.extend(good)
             if len(good) < len(part):
                 break
         return loaded
 
-    async def _read_window(self, start: int, entries: list[dict[str, Any]],
-                           nodes: dict[str, NodeTarget], targets: list[memoryview] | None,
-                           deadline: float) -> tuple[list[memoryview], list[str]]:
+    async def _read_window(
+        self,
+        start: int,
+        entries: list[dict[str, Any]],
+        nodes: dict[str, NodeTarget],
+        targets: list[memoryview] | None,
+        deadline: float,
+    ) -> tuple[list[memoryview], list[str]]:
         """Read a window's hits; return the verified prefix and any key whose bytes failed
         their checksum (the manager drops it)."""
         buffers: list[memoryview] = []
@@ -420,10 +470,13 @@ class AsyncPolarKVClient:
             else:
                 target = targets[start + j]
                 if len(target) < size:
-                    raise CallerError(f"out[{start + j}] holds {len(target)} bytes, the chunk has {size}")
+                    raise CallerError(
+                        f"out[{start + j}] holds {len(target)} bytes, the chunk has {size}"
+                    )
                 buffers.append(target[:size])
-        sums = await self._transfer(False, [(_region(e, nodes), b) for e, b in
-                                            zip(entries, buffers, strict=True)], deadline)
+        sums = await self._transfer(
+            False, [(_region(e, nodes), b) for e, b in zip(entries, buffers, strict=True)], deadline
+        )
         n = next((j for j, s in enumerate(sums) if s is None), len(sums))
         for j in range(n):
             if sums[j] != entries[j]["checksum"]:
@@ -436,7 +489,7 @@ class AsyncPolarKVClient:
         deadline = time.monotonic() + self.timeout
         hits = 0
         for start in range(0, len(keys), self.window):
-            part = keys[start: start + self.window]
+            part = keys[start : start + self.window]
             reply = await self._control.lookup(part, deadline, lease=False)
             hits += int(reply["hits"])
             if reply["hits"] < len(part):
@@ -451,6 +504,13 @@ def client_kwargs(config: Config | ClientConfig, token: str | None) -> dict[str,
         token = token if token is not None else (config.security.token or None)
         config = config.client
     c = config
-    return {"manager_url": c.manager_url, "chunk_tokens": c.chunk_tokens, "token": token,
-            "transport": c.transport, "timeout": c.timeout, "connections": c.connections,
-            "window": c.window, "breaker_interval": c.breaker_interval}
+    return {
+        "manager_url": c.manager_url,
+        "chunk_tokens": c.chunk_tokens,
+        "token": token,
+        "transport": c.transport,
+        "timeout": c.timeout,
+        "connections": c.connections,
+        "window": c.window,
+        "breaker_interval": c.breaker_interval,
+    }

@@ -40,8 +40,9 @@ def _shard_deadline(deadline: float) -> float:
     return now + max(0.0, deadline - now) * SHARD_SHARE
 
 
-def control_for(manager_url: str | Sequence[str], token: str | None,
-                breaker_interval: float = 1.0) -> ControlClient | ShardedControl:
+def control_for(
+    manager_url: str | Sequence[str], token: str | None, breaker_interval: float = 1.0
+) -> ControlClient | ShardedControl:
     """A ControlClient for one manager URL, a ShardedControl for several (shard order)."""
     urls = split_urls(manager_url)
     if len(urls) == 1:
@@ -63,7 +64,9 @@ def _split(lease: str | None) -> dict[int, str]:
 
 
 class ShardedControl:
-    def __init__(self, urls: Sequence[str], token: str | None, breaker_interval: float = 1.0) -> None:
+    def __init__(
+        self, urls: Sequence[str], token: str | None, breaker_interval: float = 1.0
+    ) -> None:
         self.shards = [ControlClient(url, token, breaker_interval) for url in urls]
         self.base = ",".join(c.base for c in self.shards)
         self.shard_faults = 0  # shard calls that became misses
@@ -97,17 +100,27 @@ class ShardedControl:
         if not leases:
             return
         task = asyncio.get_running_loop().create_task(
-            self._each({i: self.shards[i].release([lease], time.monotonic() + 2.0)
-                        for i, lease in leases.items()}))
+            self._each(
+                {
+                    i: self.shards[i].release([lease], time.monotonic() + 2.0)
+                    for i, lease in leases.items()
+                }
+            )
+        )
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def lookup(self, keys: Sequence[str], deadline: float, wait: float = 0.0,
-                     lease: bool = True) -> dict[str, Any]:
+    async def lookup(
+        self, keys: Sequence[str], deadline: float, wait: float = 0.0, lease: bool = True
+    ) -> dict[str, Any]:
         groups = self._by_shard(keys)
         until = _shard_deadline(deadline)
-        replies = await self._each({i: self.shards[i].lookup([keys[j] for j in pos], until, wait, lease)
-                                    for i, pos in groups.items()})
+        replies = await self._each(
+            {
+                i: self.shards[i].lookup([keys[j] for j in pos], until, wait, lease)
+                for i, pos in groups.items()
+            }
+        )
         entries: list[dict[str, Any]] = []
         nodes: dict[str, Any] = {}
         rank = {j: (i, n) for i, pos in groups.items() for n, j in enumerate(pos)}
@@ -125,29 +138,48 @@ class ShardedControl:
         self._release_soon({i: v for i, v in leases.items() if i not in used})
         for i in used:
             nodes.update(replies[i].get("nodes", {}))
-        return {"hits": hits, "entries": entries, "nodes": nodes,
-                "lease": _join({i: v for i, v in leases.items() if i in used})}
+        return {
+            "hits": hits,
+            "entries": entries,
+            "nodes": nodes,
+            "lease": _join({i: v for i, v in leases.items() if i in used}),
+        }
 
-    async def allocate(self, items: Sequence[tuple[str, int]], deadline: float,
-                       wait: float = 0.0) -> dict[str, Any]:
+    async def allocate(
+        self, items: Sequence[tuple[str, int]], deadline: float, wait: float = 0.0
+    ) -> dict[str, Any]:
         groups = self._by_shard([key for key, _ in items])
         until = _shard_deadline(deadline)
-        replies = await self._each({i: self.shards[i].allocate([items[j] for j in pos], until, wait)
-                                    for i, pos in groups.items()})
+        replies = await self._each(
+            {
+                i: self.shards[i].allocate([items[j] for j in pos], until, wait)
+                for i, pos in groups.items()
+            }
+        )
         results: list[dict[str, Any]] = [{"key": key, "status": FAILED} for key, _ in items]
         nodes: dict[str, Any] = {}
         for i, reply in replies.items():
             for j, result in zip(groups[i], reply["results"], strict=True):
                 results[j] = result
             nodes.update(reply.get("nodes", {}))
-        return {"results": results, "nodes": nodes,
-                "lease": _join({i: r["lease"] for i, r in replies.items() if r.get("lease")})}
+        return {
+            "results": results,
+            "nodes": nodes,
+            "lease": _join({i: r["lease"] for i, r in replies.items() if r.get("lease")}),
+        }
 
-    async def commit(self, lease: str, items: Sequence[tuple[str, str]], deadline: float) -> dict[str, str]:
+    async def commit(
+        self, lease: str, items: Sequence[tuple[str, str]], deadline: float
+    ) -> dict[str, str]:
         leases = _split(lease)
         groups = self._by_shard([key for key, _ in items])
-        replies = await self._each({i: self.shards[i].commit(leases[i], [items[j] for j in pos], deadline)
-                                    for i, pos in groups.items() if i in leases})
+        replies = await self._each(
+            {
+                i: self.shards[i].commit(leases[i], [items[j] for j in pos], deadline)
+                for i, pos in groups.items()
+                if i in leases
+            }
+        )
         out: dict[str, str] = {}
         for reply in replies.values():
             out.update(reply)
@@ -155,22 +187,35 @@ class ShardedControl:
 
     async def abort(self, lease: str, keys: Sequence[str], deadline: float) -> None:
         leases = _split(lease)
-        await self._each({i: self.shards[i].abort(leases[i], [keys[j] for j in pos], deadline)
-                          for i, pos in self._by_shard(keys).items() if i in leases})
+        await self._each(
+            {
+                i: self.shards[i].abort(leases[i], [keys[j] for j in pos], deadline)
+                for i, pos in self._by_shard(keys).items()
+                if i in leases
+            }
+        )
 
-    async def release(self, leases: Sequence[str], deadline: float, corrupt: Sequence[str] = ()) -> None:
+    async def release(
+        self, leases: Sequence[str], deadline: float, corrupt: Sequence[str] = ()
+    ) -> None:
         per: dict[int, list[str]] = {}
         for composite in leases:
             for i, value in _split(composite).items():
                 per.setdefault(i, []).append(value)
         bad = {i: [corrupt[j] for j in pos] for i, pos in self._by_shard(corrupt).items()}
-        await self._each({i: self.shards[i].release(per.get(i, []), deadline, bad.get(i, []))
-                          for i in set(per) | set(bad)})
+        await self._each(
+            {
+                i: self.shards[i].release(per.get(i, []), deadline, bad.get(i, []))
+                for i in set(per) | set(bad)
+            }
+        )
 
     async def tiered(self, deadline: float) -> bool:
         """Whether the cluster has a disk tier: every shard knows every slab, so any
         shard that answers knows."""
-        return any((await self._each({i: s.tiered(deadline) for i, s in enumerate(self.shards)})).values())
+        return any(
+            (await self._each({i: s.tiered(deadline) for i, s in enumerate(self.shards)})).values()
+        )
 
     async def renew(self, leases: Sequence[str], deadline: float) -> dict[str, Any]:
         per: dict[int, list[str]] = {}

@@ -1,9 +1,9 @@
 """`polarkv cluster up|down|status|exec`: a multi-VM cluster on this machine (needs root).
 
-    polarkv cluster up --shards 2 --memory-vms 3 --client-vms 2 --nic 2Gbit
-    polarkv cluster exec cli0 -- polarkv admin stats
-    polarkv cluster status
-    polarkv cluster down
+polarkv cluster up --shards 2 --memory-vms 3 --client-vms 2 --nic 2Gbit
+polarkv cluster exec cli0 -- polarkv admin stats
+polarkv cluster status
+polarkv cluster down
 """
 
 from __future__ import annotations
@@ -22,10 +22,18 @@ from polarkv_lib.cluster.netns import ClusterError
 from polarkv_lib.cluster.spec import ClusterSpec
 from polarkv_lib.errors import ExitCode
 
-_name = click.option("--name", default="pkv", show_default=True,
-                     help="Cluster name: prefix of its namespaces and links, and its state directory.")
-_root = click.option("--state-dir", default=DEFAULT_ROOT, show_default=True,
-                     help="Where clusters keep their state, logs and data.")
+_name = click.option(
+    "--name",
+    default="pkv",
+    show_default=True,
+    help="Cluster name: prefix of its namespaces and links, and its state directory.",
+)
+_root = click.option(
+    "--state-dir",
+    default=DEFAULT_ROOT,
+    show_default=True,
+    help="Where clusters keep their state, logs and data.",
+)
 
 
 def _fail(message: str, code: ExitCode = ExitCode.RUNTIME) -> None:
@@ -47,23 +55,60 @@ def cluster() -> None:
 @_root
 @click.option("--shards", default=1, show_default=True, help="Manager shards (one VM each).")
 @click.option("--memory-vms", default=2, show_default=True, help="Memory VMs (slab + disk each).")
-@click.option("--client-vms", default=1, show_default=True, help="Client VMs (for tools and tests).")
-@click.option("--nic", default="2Gbit", show_default=True, help="Each VM's link cap, both ways ('none': no cap).")
-@click.option("--slab-memory", default="256MiB", show_default=True, help="Slab buffer per memory VM.")
+@click.option(
+    "--client-vms", default=1, show_default=True, help="Client VMs (for tools and tests)."
+)
+@click.option(
+    "--nic",
+    default="2Gbit",
+    show_default=True,
+    help="Each VM's link cap, both ways ('none': no cap).",
+)
+@click.option(
+    "--slab-memory", default="256MiB", show_default=True, help="Slab buffer per memory VM."
+)
 @click.option("--disk-capacity", default="2GiB", show_default=True, help="Disk tier per memory VM.")
-@click.option("--subnet", default="10.77.0", show_default=True, help="First three octets of the cluster's /24.")
-@click.option("--set", "settings", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Passed to every polarkv process of the cluster; repeatable.")
-def up(name: str, state_dir: str, shards: int, memory_vms: int, client_vms: int, nic: str,
-       slab_memory: str, disk_capacity: str, subnet: str, settings: tuple[str, ...]) -> None:
+@click.option(
+    "--subnet",
+    default="10.77.0",
+    show_default=True,
+    help="First three octets of the cluster's /24.",
+)
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Passed to every polarkv process of the cluster; repeatable.",
+)
+def up(
+    name: str,
+    state_dir: str,
+    shards: int,
+    memory_vms: int,
+    client_vms: int,
+    nic: str,
+    slab_memory: str,
+    disk_capacity: str,
+    subnet: str,
+    settings: tuple[str, ...],
+) -> None:
     """Create the VMs and start the managers and memory VMs (replaces an earlier run)."""
     why = netns.available()
     if why:
         _fail(why, ExitCode.CONFIG)
     try:
-        spec = ClusterSpec(name=name, subnet=subnet, shards=shards, memory_vms=memory_vms,
-                           client_vms=client_vms, nic=nic, slab_memory=slab_memory,
-                           disk_capacity=disk_capacity, settings=settings)
+        spec = ClusterSpec(
+            name=name,
+            subnet=subnet,
+            shards=shards,
+            memory_vms=memory_vms,
+            client_vms=client_vms,
+            nic=nic,
+            slab_memory=slab_memory,
+            disk_capacity=disk_capacity,
+            settings=settings,
+        )
     except ClusterError as exc:
         _fail(str(exc), ExitCode.CONFIG)
     handle = Cluster(spec, state_dir)
@@ -77,8 +122,11 @@ def up(name: str, state_dir: str, shards: int, memory_vms: int, client_vms: int,
     finally:
         signal.signal(signal.SIGTERM, previous)
     click.echo(orjson.dumps(handle.status(), option=orjson.OPT_INDENT_2))
-    click.echo(f"cluster {name} is up; `polarkv cluster exec cli0 -- CMD` runs CMD in a client VM; "
-               f"`polarkv cluster down --name {name}` removes it", err=True)
+    click.echo(
+        f"cluster {name} is up; `polarkv cluster exec cli0 -- CMD` runs CMD in a client VM; "
+        f"`polarkv cluster down --name {name}` removes it",
+        err=True,
+    )
 
 
 @cluster.command()
@@ -94,8 +142,10 @@ def down(name: str, state_dir: str) -> None:
     left = {k: v for k, v in handle.leftovers().items() if v}
     if left:
         _fail(f"could not remove: {left}")
-    click.echo(f"cluster {name} removed ({len(removed['namespaces'])} namespaces, "
-               f"{len(removed['links'])} links)")
+    click.echo(
+        f"cluster {name} removed ({len(removed['namespaces'])} namespaces, "
+        f"{len(removed['links'])} links)"
+    )
 
 
 @cluster.command()
@@ -122,6 +172,7 @@ def exec_(name: str, state_dir: str, vm: str, command: tuple[str, ...]) -> None:
         target = handle.spec.vm(vm)
     except ClusterError as exc:
         _fail(str(exc), ExitCode.CONFIG)
-    done = subprocess.run(procs.in_vm(target, command), env=procs.source_env(handle.spec.client_env()),
-                          check=False)
+    done = subprocess.run(
+        procs.in_vm(target, command), env=procs.source_env(handle.spec.client_env()), check=False
+    )
     sys.exit(done.returncode)

@@ -18,16 +18,16 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from polarkv_lib.client.admin import AdminClient
 from polarkv_lib.cluster import netns, procs
 from polarkv_lib.cluster.netns import ClusterError, Counters
 from polarkv_lib.cluster.spec import MANAGER_PORT, POOL_PORT, SLAB_PORT, ClusterSpec, Vm
+from polarkv_lib.errors import PolarKVError
 
 DEFAULT_ROOT = ".cluster"
 JOIN_TIMEOUT = 30.0
@@ -53,7 +53,11 @@ class Cluster:
         tmp = self.state_file.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the tokens
         with os.fdopen(fd, "w") as fh:
-            json.dump({"phase": self._phase, "spec": self.spec.to_json(), "procs": self._procs}, fh, indent=1)
+            json.dump(
+                {"phase": self._phase, "spec": self.spec.to_json(), "procs": self._procs},
+                fh,
+                indent=1,
+            )
         os.replace(tmp, self.state_file)
 
     @classmethod
@@ -63,7 +67,9 @@ class Cluster:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
-            raise ClusterError(f"no cluster {name!r} recorded under {Path(root).resolve()}") from None
+            raise ClusterError(
+                f"no cluster {name!r} recorded under {Path(root).resolve()}"
+            ) from None
         cluster = cls(ClusterSpec.from_json(data["spec"]), root)
         cluster._procs = data.get("procs", {})
         cluster._phase = data.get("phase", "unknown")
@@ -75,8 +81,9 @@ class Cluster:
         self.up()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.down()
 
     def up(self) -> None:
@@ -93,8 +100,11 @@ class Cluster:
             self._create_network()
             # Managers first (slabs register with them), then any global-pools disk
             # servers (disk roles connect to them), then the memory VMs.
-            for stage in (self.spec.manager_services(), self.spec.pool_services(),
-                          self.spec.memory_services()):
+            for stage in (
+                self.spec.manager_services(),
+                self.spec.pool_services(),
+                self.spec.memory_services(),
+            ):
                 for name in stage:
                     self.start_service(name, wait=False)
                 for name in stage:
@@ -114,7 +124,9 @@ class Cluster:
         # Every process in our namespaces (recorded or not), and the recorded ones whose
         # namespace an earlier, interrupted `down` already deleted; all at once, so the
         # whole stop takes one shutdown bound, not one per VM.
-        found = [(pid, procs.start_time(pid)) for space in spaces for pid in netns.netns_pids(space)]
+        found = [
+            (pid, procs.start_time(pid)) for space in spaces for pid in netns.netns_pids(space)
+        ]
         procs.stop_pids(found + [(p["pid"], p.get("started")) for p in self._procs.values()])
         for proc in self._popen.values():  # collect our children's exit status
             try:
@@ -145,9 +157,20 @@ class Cluster:
         spaces = netns.list_netns(prefix)
         pids = [str(pid) for space in spaces for pid in netns.netns_pids(space)]
         links = netns.list_links(prefix)
-        qdiscs = [f"{link}:{kind}" for link in links for kind in netns.qdisc_kinds(link) if kind in ("tbf", "htb")]
+        qdiscs = [
+            f"{link}:{kind}"
+            for link in links
+            for kind in netns.qdisc_kinds(link)
+            if kind in ("tbf", "htb")
+        ]
         shm = sorted(str(p) for p in self.shm_dir.glob("*")) if self.shm_dir.exists() else []
-        return {"namespaces": spaces, "pids": pids, "links": links, "qdiscs": qdiscs, "buffers": shm}
+        return {
+            "namespaces": spaces,
+            "pids": pids,
+            "links": links,
+            "qdiscs": qdiscs,
+            "buffers": shm,
+        }
 
     def _create_network(self) -> None:
         spec = self.spec
@@ -168,26 +191,40 @@ class Cluster:
             owner = spec.vm(f"mem{name[4:]}")
             vm = spec.pool_host(owner)
             path = self.dir / vm.name / f"pool-for-{owner.name}"
-            return vm, [sys.executable, "-m", "polarkv_lib.cluster.remote_disk",
-                        "--listen", f"{vm.address}:{POOL_PORT}", "--path", str(path),
-                        "--capacity", spec.disk_capacity, "--ready-file", ready]
+            return vm, [
+                sys.executable,
+                "-m",
+                "polarkv_lib.cluster.remote_disk",
+                "--listen",
+                f"{vm.address}:{POOL_PORT}",
+                "--path",
+                str(path),
+                "--capacity",
+                spec.disk_capacity,
+                "--ready-file",
+                ready,
+            ]
         vm, home = spec.vm(name), self.dir / name
         if vm.role == "manager":
             roles = ["manager"]
-            settings += [f"manager.listen={vm.address}:{MANAGER_PORT}",
-                         f"manager.metadata_url=sqlite:///{home}/meta.db"]
+            settings += [
+                f"manager.listen={vm.address}:{MANAGER_PORT}",
+                f"manager.metadata_url=sqlite:///{home}/meta.db",
+            ]
             if spec.shards > 1:
                 settings.append(f"manager.shard={vm.index}/{spec.shards}")
         elif vm.role == "memory":
             roles = ["slab", "disk"] if spec.disk_tier else ["slab"]
             self.shm_dir.mkdir(mode=0o700, exist_ok=True)
-            settings += [f"slab.listen={vm.address}:{SLAB_PORT}",
-                         f"slab.manager_url={','.join(spec.manager_urls())}",
-                         f"slab.node_id={vm.name}",
-                         f"slab.memory={spec.slab_memory}",
-                         f"slab.shm_dir={self.shm_dir}",
-                         f"disk.paths={home / 'disk'}",
-                         f"disk.capacity={spec.disk_capacity}"]
+            settings += [
+                f"slab.listen={vm.address}:{SLAB_PORT}",
+                f"slab.manager_url={','.join(spec.manager_urls())}",
+                f"slab.node_id={vm.name}",
+                f"slab.memory={spec.slab_memory}",
+                f"slab.shm_dir={self.shm_dir}",
+                f"disk.paths={home / 'disk'}",
+                f"disk.capacity={spec.disk_capacity}",
+            ]
             if spec.global_pools:
                 settings.append(f"disk.remote={spec.pool_host(vm).address}:{POOL_PORT}")
         else:
@@ -231,54 +268,75 @@ class Cluster:
             try:
                 proc.wait(procs.STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
-                raise ClusterError(f"{vm_name} did not exit within {procs.STOP_TIMEOUT:.0f}s") from None
+                raise ClusterError(
+                    f"{vm_name} did not exit within {procs.STOP_TIMEOUT:.0f}s"
+                ) from None
 
     def wait_joined(self, timeout: float = JOIN_TIMEOUT) -> None:
         """Until every shard lists every memory VM as alive."""
-        want = {name for name in self.spec.memory_services() if name in self._procs
-                and procs.alive(self._procs[name]["pid"], self._procs[name].get("started"))}
+        want = {
+            name
+            for name in self.spec.memory_services()
+            if name in self._procs
+            and procs.alive(self._procs[name]["pid"], self._procs[name].get("started"))
+        }
         deadline = time.monotonic() + timeout
         for url in self.spec.manager_urls():
             while True:
                 try:
-                    alive = {n["id"] for n in self.admin(url, "/v1/nodes")["nodes"] if n["state"] == "alive"}
+                    alive = {
+                        n["id"]
+                        for n in self.admin(url, "/v1/nodes")["nodes"]
+                        if n["state"] == "alive"
+                    }
                 except ClusterError:
                     alive = set()
                 if want <= alive:
                     break
                 if time.monotonic() > deadline:
-                    raise ClusterError(f"{url} sees nodes {sorted(alive)}, expected {sorted(want)} "
-                                       f"within {timeout:.0f}s")
+                    raise ClusterError(
+                        f"{url} sees nodes {sorted(alive)}, expected {sorted(want)} "
+                        f"within {timeout:.0f}s"
+                    )
                 time.sleep(0.1)
 
     # -- using it -----------------------------------------------------------------------
 
     def admin(self, url: str, path: str, method: str = "GET", timeout: float = 5.0) -> Any:
         """One admin API call from the host's seat on the bridge."""
-        token = self.spec.admin_token if method != "GET" else self.spec.token
-        request = urllib.request.Request(url + path, method=method,
-                                         headers={"Authorization": f"Bearer {token}"})
+        client = AdminClient(url, self.spec.token, self.spec.admin_token, timeout)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise ClusterError(f"{method} {url}{path}: HTTP {exc.code} {exc.read()[:200]!r}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return client.call(method, path, admin=method != "GET")
+        except PolarKVError as exc:
             raise ClusterError(f"{method} {url}{path}: {exc}") from None
 
-    def run_in(self, vm_name: str, argv: Sequence[str], timeout: float,
-               env: Mapping[str, str] = {}, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    def run_in(
+        self,
+        vm_name: str,
+        argv: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] = {},
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[bytes]:
         """Run a command in a VM with the cluster's client settings in its environment
         (manager URLs and token), bounded by `timeout`; its output is returned."""
         vm = self.spec.vm(vm_name)
         try:
-            done = subprocess.run(procs.in_vm(vm, argv), env=procs.source_env({**self.spec.client_env(), **env}),
-                                  stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=False)
+            done = subprocess.run(
+                procs.in_vm(vm, argv),
+                env=procs.source_env({**self.spec.client_env(), **env}),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired:  # subprocess.run has killed it
             raise ClusterError(f"{' '.join(argv)} in {vm_name} ran past {timeout:.0f}s") from None
         if check and done.returncode != 0:
-            raise ClusterError(f"{' '.join(argv)} in {vm_name} exited {done.returncode}:\n"
-                               f"{done.stderr.decode(errors='replace')[-3000:]}")
+            raise ClusterError(
+                f"{' '.join(argv)} in {vm_name} exited {done.returncode}:\n"
+                f"{done.stderr.decode(errors='replace')[-3000:]}"
+            )
         return done
 
     def counters(self, vm_name: str) -> Counters:
@@ -290,20 +348,32 @@ class Cluster:
         return netns.peer_bytes(self.spec.vm(vm_name).netns)
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.spec.name, "phase": self._phase, "nic": self.spec.nic,
-                               "manager_urls": self.spec.manager_urls(), "state_dir": str(self.dir),
-                               "vms": []}
+        out: dict[str, Any] = {
+            "name": self.spec.name,
+            "phase": self._phase,
+            "nic": self.spec.nic,
+            "manager_urls": self.spec.manager_urls(),
+            "state_dir": str(self.dir),
+            "vms": [],
+        }
         for vm in self.spec.vms():
-            row: dict[str, Any] = {"vm": vm.name, "role": vm.role, "address": vm.address,
-                                   "namespace": vm.netns}
+            row: dict[str, Any] = {
+                "vm": vm.name,
+                "role": vm.role,
+                "address": vm.address,
+                "namespace": vm.netns,
+            }
             rec = self._procs.get(vm.name)
             if rec is not None:
                 row["pid"] = rec["pid"]
                 row["running"] = procs.alive(rec["pid"], rec.get("started"))
             try:
                 c = self.counters(vm.name)
-                row.update(sent_bytes=c.sent, received_bytes=c.received,
-                           from_memory_vms_bytes=self.peer_bytes(vm.name))
+                row.update(
+                    sent_bytes=c.sent,
+                    received_bytes=c.received,
+                    from_memory_vms_bytes=self.peer_bytes(vm.name),
+                )
             except ClusterError:
                 row["link"] = "missing"
             if vm.role == "manager":

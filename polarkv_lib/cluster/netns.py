@@ -42,7 +42,9 @@ def parse_rate(value: str) -> int:
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
+        done = subprocess.run(
+            args, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False
+        )
     except FileNotFoundError:
         raise ClusterError(f"{args[0]} not found: the cluster needs iproute2 (ip, tc)") from None
     except subprocess.TimeoutExpired:
@@ -123,13 +125,65 @@ def cap(host_end: str, netns: str, rate_bits: int, peer_block: str) -> None:
     for ns, dev, side in ((None, host_end, "src"), (netns, VM_IFNAME, "dst")):
         tc = ["tc", "-n", ns] if ns else ["tc"]
         run(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
-        run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-            "rate", f"{rate}bit", "burst", burst, "quantum", "60000")
+        run(
+            *tc,
+            "class",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "classid",
+            "1:1",
+            "htb",
+            "rate",
+            f"{rate}bit",
+            "burst",
+            burst,
+            "quantum",
+            "60000",
+        )
         for child in ("1:10", "1:20"):
-            run(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", child, "htb",
-                "rate", f"{rate // 2}bit", "ceil", f"{rate}bit", "burst", burst, "quantum", "60000")
-        run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-            "match", "ip", side, peer_block, "flowid", "1:10")
+            run(
+                *tc,
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "classid",
+                child,
+                "htb",
+                "rate",
+                f"{rate // 2}bit",
+                "ceil",
+                f"{rate}bit",
+                "burst",
+                burst,
+                "quantum",
+                "60000",
+            )
+        run(
+            *tc,
+            "filter",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            side,
+            peer_block,
+            "flowid",
+            "1:10",
+        )
 
 
 def peer_bytes(host_end: str) -> int:

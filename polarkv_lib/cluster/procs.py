@@ -38,8 +38,21 @@ def source_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
 
 
 def in_vm(vm: Vm, argv: Sequence[str]) -> list[str]:
-    return ["ip", "netns", "exec", vm.netns, "unshare", "--uts", "--",
-            sys.executable, "-m", "polarkv_lib.cluster.enter", vm.hostname, "--", *argv]
+    return [
+        "ip",
+        "netns",
+        "exec",
+        vm.netns,
+        "unshare",
+        "--uts",
+        "--",
+        sys.executable,
+        "-m",
+        "polarkv_lib.cluster.enter",
+        vm.hostname,
+        "--",
+        *argv,
+    ]
 
 
 def polarkv_argv(roles: Sequence[str], settings: Sequence[str], ready_file: str) -> list[str]:
@@ -51,11 +64,19 @@ def polarkv_argv(roles: Sequence[str], settings: Sequence[str], ready_file: str)
     return [*argv, "--ready-file", ready_file]
 
 
-def start(vm: Vm, argv: Sequence[str], log_path: Path, env: Mapping[str, str] = {}) -> subprocess.Popen[bytes]:
+def start(
+    vm: Vm, argv: Sequence[str], log_path: Path, env: Mapping[str, str] = {}
+) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
-        return subprocess.Popen(in_vm(vm, argv), env=source_env(env), stdin=subprocess.DEVNULL,
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            in_vm(vm, argv),
+            env=source_env(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def start_time(pid: int) -> int | None:
@@ -74,8 +95,9 @@ def alive(pid: int, started: int | None) -> bool:
     return now is not None and (started is None or now == started)
 
 
-def wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, log_path: Path,
-               timeout: float = READY_TIMEOUT) -> dict[str, object]:
+def wait_ready(
+    proc: subprocess.Popen[bytes], ready_file: Path, log_path: Path, timeout: float = READY_TIMEOUT
+) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while not ready_file.exists():
         if proc.poll() is not None:
@@ -121,7 +143,9 @@ def stop_pids(pids: Sequence[tuple[int, int | None]], timeout: float = STOP_TIME
         time.sleep(0.05)
         for pid, _ in pending:
             reap(pid)
-        pending = [(pid, started) for pid, started in pending if alive(pid, started) and not _zombie(pid)]
+        pending = [
+            (pid, started) for pid, started in pending if alive(pid, started) and not _zombie(pid)
+        ]
     for pid, started in pending:
         signal_pid(pid, started, signal.SIGKILL)
         reap(pid)

@@ -23,16 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import socket
 import socketserver
 import struct
 import sys
 import threading
+import time
 
 from polarkv_lib.config import parse_address, parse_size
-from polarkv_lib.errors import DiskFailure, Failure
+from polarkv_lib.errors import DiskFailure, Failure, NetworkError, OperationTimeout
 from polarkv_lib.node.disk import DiskCounters, DiskStore, FileInfo
+from polarkv_lib.transport.sockio import recv_exact, send_all
 
 MAGIC = b"PKRD"
 _REQ = struct.Struct("<4sB16sQQ")
@@ -42,18 +45,9 @@ OFFLOAD, RELOAD, DELETE, SCAN = 1, 2, 3, 4
 TIMEOUT = 30.0
 
 
-def _fill(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-        if n == 0:
-            raise ConnectionError("peer closed")
-        got += n
-
-
-def _recv(sock: socket.socket, n: int) -> bytearray:
+def _recv(sock: socket.socket, n: int, deadline: float) -> bytearray:
     buf = bytearray(n)
-    _fill(sock, memoryview(buf))
+    recv_exact(sock, memoryview(buf), deadline)
     return buf
 
 
@@ -71,37 +65,57 @@ class RemoteDiskStore(DiskStore):
         self._lock = threading.Lock()
         self._remote = parse_address(remote)
         self._local = threading.local()  # one connection per I/O thread
+        self._socks: set[socket.socket] = set()  # all of them, for close()
 
-    def _exchange(self, op: int, key: str, size: int = 0, checksum: str = "0",
-                  payload: memoryview | None = None, into: memoryview | None = None) -> bytearray:
+    def _exchange(
+        self,
+        op: int,
+        key: str,
+        size: int = 0,
+        checksum: str = "0",
+        payload: memoryview | None = None,
+        into: memoryview | None = None,
+    ) -> bytearray:
         """Send one request, read its reply; a refusal or any network fault raises
         DiskFailure (a network fault also drops the connection)."""
         sock: socket.socket | None = getattr(self._local, "sock", None)
+        deadline = time.monotonic() + TIMEOUT
         try:
             if sock is None:
                 sock = socket.create_connection(self._remote, timeout=TIMEOUT)
+                sock.settimeout(None)  # blocking: sockio bounds each call by the deadline
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._local.sock = sock
-            sock.sendall(_REQ.pack(MAGIC, op, bytes.fromhex(key), size, int(checksum, 16)))
-            if payload is not None:
-                sock.sendall(payload)
-            magic, status, length = _RESP.unpack(_recv(sock, _RESP.size))
+                with self._lock:
+                    self._socks.add(sock)
+            head = _REQ.pack(MAGIC, op, bytes.fromhex(key), size, int(checksum, 16))
+            send_all(sock, (head,) if payload is None else (head, payload), deadline)
+            magic, status, length = _RESP.unpack(_recv(sock, _RESP.size, deadline))
             if magic != MAGIC:
                 raise ConnectionError("not a remote disk reply")
             if status:
-                detail = json.loads(_recv(sock, length))
+                detail = json.loads(_recv(sock, length, deadline))
                 raise DiskFailure(Failure(detail["reason"]), f"remote disk: {detail['detail']}")
             if into is not None:
                 if length != len(into):
                     raise ConnectionError("reload reply of the wrong length")
-                _fill(sock, into)
+                recv_exact(sock, into, deadline)
                 return bytearray()
-            return _recv(sock, length)
-        except (OSError, ValueError, struct.error) as exc:
+            return _recv(sock, length, deadline)
+        except (OSError, ValueError, struct.error, NetworkError, OperationTimeout) as exc:
             if sock is not None:
                 sock.close()
+                with self._lock:
+                    self._socks.discard(sock)
             self._local.sock = None
             raise DiskFailure(Failure.IO_ERROR, f"remote disk {self._remote}: {exc}") from None
+
+    def close(self) -> None:
+        """Close every thread's connection (a thread's next call opens a new one)."""
+        with self._lock:
+            socks, self._socks = self._socks, set()
+        for sock in socks:
+            sock.close()
 
     def scan(self) -> list[FileInfo]:
         rows = json.loads(self._exchange(SCAN, "0" * 32))
@@ -163,8 +177,10 @@ class _Handler(socketserver.BaseRequestHandler):
         store = self.server.store
         while True:
             try:
-                head = _recv(sock, _REQ.size)
-            except (ConnectionError, OSError):
+                select.select([sock], [], [])  # idle for as long as the client keeps it
+                deadline = time.monotonic() + TIMEOUT  # a request, once begun, arrives in time
+                head = _recv(sock, _REQ.size, deadline)
+            except (OSError, NetworkError, OperationTimeout):
                 return
             magic, op, raw_key, size, checksum_int = _REQ.unpack(head)
             if magic != MAGIC:
@@ -172,7 +188,7 @@ class _Handler(socketserver.BaseRequestHandler):
             key, checksum = raw_key.hex(), f"{checksum_int:016x}"
             try:
                 if op == OFFLOAD:
-                    data = _recv(sock, size)
+                    data = _recv(sock, size, deadline)
                     reply = _U64.pack(store.offload(key, memoryview(data), size, checksum))
                 elif op == RELOAD:
                     out = bytearray(size)
@@ -181,15 +197,18 @@ class _Handler(socketserver.BaseRequestHandler):
                 elif op == DELETE:
                     reply = b"\x01" if store.delete(key) else b"\x00"
                 elif op == SCAN:
-                    reply = json.dumps([[f.key, f.size, f.checksum, f.file_bytes]
-                                        for f in store.files.values()]).encode()
+                    reply = json.dumps(
+                        [[f.key, f.size, f.checksum, f.file_bytes] for f in store.files.values()]
+                    ).encode()
                 else:
                     return
-                sock.sendall(_RESP.pack(MAGIC, 0, len(reply)) + reply)
+                send_all(
+                    sock, (_RESP.pack(MAGIC, 0, len(reply)), reply), time.monotonic() + TIMEOUT
+                )
             except DiskFailure as failure:
                 body = json.dumps({"reason": failure.reason.value, "detail": str(failure)}).encode()
-                sock.sendall(_RESP.pack(MAGIC, 1, len(body)) + body)
-            except (ConnectionError, OSError, ValueError):
+                send_all(sock, (_RESP.pack(MAGIC, 1, len(body)), body), time.monotonic() + TIMEOUT)
+            except (OSError, ValueError, NetworkError, OperationTimeout):
                 return
 
 

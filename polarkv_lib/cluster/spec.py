@@ -62,14 +62,20 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9]{0,5}", self.name):
-            raise ClusterError(f"cluster name {self.name!r}: 1-6 lowercase letters or digits, "
-                               f"starting with a letter (it prefixes every link name)")
+            raise ClusterError(
+                f"cluster name {self.name!r}: 1-6 lowercase letters or digits, "
+                f"starting with a letter (it prefixes every link name)"
+            )
         octets = self.subnet.split(".")
         if len(octets) != 3 or not all(o.isdigit() and 0 <= int(o) <= 255 for o in octets):
-            raise ClusterError(f"subnet {self.subnet!r}: the first three octets of a /24, e.g. 10.77.0")
-        for what, n, most, least in (("shards", self.shards, MAX_SHARDS, 1),
-                                     ("memory VMs", self.memory_vms, MAX_MEMORY_VMS, 1),
-                                     ("client VMs", self.client_vms, MAX_CLIENT_VMS, 0)):
+            raise ClusterError(
+                f"subnet {self.subnet!r}: the first three octets of a /24, e.g. 10.77.0"
+            )
+        for what, n, most, least in (
+            ("shards", self.shards, MAX_SHARDS, 1),
+            ("memory VMs", self.memory_vms, MAX_MEMORY_VMS, 1),
+            ("client VMs", self.client_vms, MAX_CLIENT_VMS, 0),
+        ):
             if not least <= n <= most:
                 raise ClusterError(f"{what}: {n} is not between {least} and {most}")
         if self.global_pools and self.memory_vms < 2:
@@ -80,7 +86,10 @@ class ClusterSpec:
             parse_rate(self.nic)
         except ValueError as exc:
             raise ClusterError(f"--nic: {exc}") from None
-        for what, size in (("--slab-memory", self.slab_memory), ("--disk-capacity", self.disk_capacity)):
+        for what, size in (
+            ("--slab-memory", self.slab_memory),
+            ("--disk-capacity", self.disk_capacity),
+        ):
             try:
                 parse_size(size)
             except ValueError as exc:
@@ -96,19 +105,25 @@ class ClusterSpec:
 
     def vms(self) -> list[Vm]:
         out = []
-        for role, count in (("manager", self.shards), ("memory", self.memory_vms),
-                            ("client", self.client_vms)):
+        for role, count in (
+            ("manager", self.shards),
+            ("memory", self.memory_vms),
+            ("client", self.client_vms),
+        ):
             for i in range(count):
                 name = f"{_SHORT[role]}{i}"
-                out.append(Vm(name, role, i, f"{self.name}-{name}", f"{self.subnet}.{_BASE[role] + i}"))
+                out.append(
+                    Vm(name, role, i, f"{self.name}-{name}", f"{self.subnet}.{_BASE[role] + i}")
+                )
         return out
 
     def vm(self, name: str) -> Vm:
         for vm in self.vms():
             if vm.name == name:
                 return vm
-        raise ClusterError(f"no VM {name!r} in cluster {self.name} "
-                           f"(VMs: {', '.join(v.name for v in self.vms())})")
+        raise ClusterError(
+            f"no VM {name!r} in cluster {self.name} (VMs: {', '.join(v.name for v in self.vms())})"
+        )
 
     @property
     def memory_block(self) -> str:
@@ -131,14 +146,19 @@ class ClusterSpec:
         return [f"http://{vm.address}:{MANAGER_PORT}" for vm in self.vms() if vm.role == "manager"]
 
     def security_settings(self) -> list[str]:
-        return [f"security.token={self.token}", f"security.admin_token={self.admin_token}",
-                f"security.grant_key={self.grant_key}"]
+        return [
+            f"security.token={self.token}",
+            f"security.admin_token={self.admin_token}",
+            f"security.grant_key={self.grant_key}",
+        ]
 
     def client_env(self) -> dict[str, str]:
         """What a tool in a client VM needs to find and use the cluster."""
-        return {"POLARKV_CLIENT__MANAGER_URL": ",".join(self.manager_urls()),
-                "POLARKV_SECURITY__TOKEN": self.token,
-                "POLARKV_SECURITY__ADMIN_TOKEN": self.admin_token}
+        return {
+            "POLARKV_CLIENT__MANAGER_URL": ",".join(self.manager_urls()),
+            "POLARKV_SECURITY__TOKEN": self.token,
+            "POLARKV_SECURITY__ADMIN_TOKEN": self.admin_token,
+        }
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

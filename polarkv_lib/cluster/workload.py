@@ -39,9 +39,18 @@ def prompt_tokens(prompt: int, chunks: int) -> list[int]:
 class Workload:
     def __init__(self, client: PolarKVClient, namespace: str, chunks: int, size: int) -> None:
         self.client, self.namespace, self.chunks, self.size = client, namespace, chunks, size
-        self.counts: dict[str, Any] = {"loads": 0, "chunks_wanted": 0, "chunks_hit": 0, "bytes_loaded": 0,
-                                       "load_seconds": 0.0, "stores": 0, "chunks_stored": 0,
-                                       "bytes_stored": 0, "store_seconds": 0.0, "wrong_bytes": 0}
+        self.counts: dict[str, Any] = {
+            "loads": 0,
+            "chunks_wanted": 0,
+            "chunks_hit": 0,
+            "bytes_loaded": 0,
+            "load_seconds": 0.0,
+            "stores": 0,
+            "chunks_stored": 0,
+            "bytes_stored": 0,
+            "store_seconds": 0.0,
+            "wrong_bytes": 0,
+        }
 
     def store(self, prompt: int) -> None:
         data = [chunk(self.namespace, prompt, i, self.size) for i in range(self.chunks)]
@@ -62,7 +71,9 @@ class Workload:
         c["chunks_wanted"] += self.chunks
         c["chunks_hit"] += len(views)
         c["bytes_loaded"] += sum(len(v) for v in views)
-        c["wrong_bytes"] += sum(1 for i, v in enumerate(views) if v != chunk(self.namespace, prompt, i, self.size))
+        c["wrong_bytes"] += sum(
+            1 for i, v in enumerate(views) if v != chunk(self.namespace, prompt, i, self.size)
+        )
 
 
 def main(argv: list[str]) -> None:
@@ -82,8 +93,9 @@ def main(argv: list[str]) -> None:
     token = os.environ.get("POLARKV_SECURITY__TOKEN") or None
     rng = random.Random(args.seed)
     started = time.perf_counter()
-    with PolarKVClient(url, namespace=args.namespace, chunk_tokens=CHUNK_TOKENS, token=token,
-                       timeout=args.timeout) as client:
+    with PolarKVClient(
+        url, namespace=args.namespace, chunk_tokens=CHUNK_TOKENS, token=token, timeout=args.timeout
+    ) as client:
         work = Workload(client, args.namespace, args.chunks, args.size)
         if args.phase in ("fill", "load"):
             for prompt in range(args.first, args.first + args.prompts):

@@ -78,9 +78,17 @@ class KVGeometry:
 class HFKVStore:
     """Stores and loads a causal LM's past key values in PolarKV (see the module docstring)."""
 
-    def __init__(self, config: Any, *, model_id: str, dtype: Any, manager_url: str | None = None,
-                 extra: Mapping[str, Any] | None = None, chunk_tokens: int | None = None,
-                 device: Any = "cpu") -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        model_id: str,
+        dtype: Any,
+        manager_url: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        chunk_tokens: int | None = None,
+        device: Any = "cpu",
+    ) -> None:
         """`extra` holds the settings of integrations.common (manager_url, token, timeout,
         transport, namespace, chunk_tokens...); `manager_url` and `chunk_tokens` override it.
         Loaded caches are built on `device` (the model's)."""
@@ -97,13 +105,22 @@ class HFKVStore:
         self.chunk_tokens = self.settings.chunk_tokens or DEFAULT_CHUNK_TOKENS
         self.geometry = geo = KVGeometry.from_config(config, dtype)
         probe = DynamicCache(config=config)
-        if len(probe.layers) != geo.layers or any(type(la) is not DynamicLayer for la in probe.layers):
-            raise ValueError("HFKVStore supports full-attention DynamicCache layers only "
-                             f"(this config gives {sorted({type(la).__name__ for la in probe.layers})})")
+        if len(probe.layers) != geo.layers or any(
+            type(la) is not DynamicLayer for la in probe.layers
+        ):
+            raise ValueError(
+                "HFKVStore supports full-attention DynamicCache layers only "
+                f"(this config gives {sorted({type(la).__name__ for la in probe.layers})})"
+            )
         self.namespace = namespace(
-            self.settings, "hf", f"model={model_id}", geo.dtype_name,
+            self.settings,
+            "hf",
+            f"model={model_id}",
+            geo.dtype_name,
             f"layers={geo.layers}-kvh={geo.kv_heads}-hd={geo.head_dim}",
-            f"chunk={self.chunk_tokens}", f"layout={LAYOUT}")
+            f"chunk={self.chunk_tokens}",
+            f"layout={LAYOUT}",
+        )
         self.client: PolarKVClient = make_client(self.settings, self.namespace, self.chunk_tokens)
 
     @classmethod
@@ -125,8 +142,10 @@ class HFKVStore:
             for kv, states in enumerate((layer.keys, layer.values)):
                 expect = (1, geo.kv_heads, states.shape[2], geo.head_dim)
                 if tuple(states.shape) != expect or states.dtype != geo.dtype:
-                    raise ValueError(f"layer {i}: cache states {tuple(states.shape)} {states.dtype}, "
-                                     f"expected {expect} {geo.dtype} (batch size 1)")
+                    raise ValueError(
+                        f"layer {i}: cache states {tuple(states.shape)} {states.dtype}, "
+                        f"expected {expect} {geo.dtype} (batch size 1)"
+                    )
                 # [1, H, n*T, D] -> [n, H, T, D]
                 run = states[0, :, : n_chunks * t].reshape(geo.kv_heads, n_chunks, t, geo.head_dim)
                 out[:, i, kv].copy_(run.transpose(0, 1))
@@ -162,8 +181,9 @@ class HFKVStore:
         n_full = len(ids) // self.chunk_tokens
         if n_full == 0:
             return 0, None
-        buf = torch.empty((n_full, *self.geometry.chunk_shape(self.chunk_tokens)),
-                          dtype=self.geometry.dtype)
+        buf = torch.empty(
+            (n_full, *self.geometry.chunk_shape(self.chunk_tokens)), dtype=self.geometry.dtype
+        )
         out = [_bytes_of(buf[c]) for c in range(n_full)]  # chunks land in place
         try:
             _, views = self.client.load_kv(ids, out=out)
@@ -173,8 +193,12 @@ class HFKVStore:
         size = self.geometry.chunk_bytes(self.chunk_tokens)
         n = next((i for i, v in enumerate(views) if len(v) != size), len(views))
         if n < len(views):
-            log.warning("a PolarKV chunk of %s has %d bytes, expected %d: a miss from there on",
-                        self.namespace, len(views[n]), size)
+            log.warning(
+                "a PolarKV chunk of %s has %d bytes, expected %d: a miss from there on",
+                self.namespace,
+                len(views[n]),
+                size,
+            )
         return (n * self.chunk_tokens, self.unpack(buf, n)) if n else (0, None)
 
     def lookup(self, tokens: Any) -> int:
@@ -207,6 +231,7 @@ def _bytes_of(tensor: Any) -> memoryview:
 
 # -- prefill with a PolarKV prefix -----------------------------------------------------------
 
+
 @dataclass
 class Prefill:
     logits: Any  # [1, vocab]: the next-token logits of the prompt
@@ -227,8 +252,9 @@ def prefill(model: Any, input_ids: Any, store: HFKVStore | None = None) -> Prefi
         loaded_at = time.perf_counter()
         if cache is None:
             cache = DynamicCache(config=model.config)
-        out = model(input_ids=input_ids[:, loaded:], past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=input_ids[:, loaded:], past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         logits = out.logits[:, -1].float()
     end = time.perf_counter()
     return Prefill(logits, out.past_key_values, loaded, end - start, loaded_at - start)

@@ -11,30 +11,8 @@ Settings are those of `integrations.common` (`manager_url` required; `token`, `t
 `timeout`, `namespace`, `connections`), plus `model` (overrides the model name SGLang
 passes) and `interface_v1` (truthy: SGLang calls the zero-copy batch_get_v1/batch_set_v1).
 
-Keys. SGLang names a page by a SHA-256 chain over its tokens and carries no model, rank
-or layout in it. A PolarKV key is blake2b-128 of the page hash (plus, with v1, the
-object's index within the page), keyed with blake2b-256 of the namespace, so no namespace
-or hash can run into another. The namespace holds everything that changes a page's bytes:
-model, TP rank/size (one shared copy for MLA, whose KV every TP rank replicates), PP,
-attention-CP and DCP shards, the host pool's class, layout, page size, dtype and page
-length (and, with v1, its buffer sizes), and the interface. Other models, ranks or layouts
-therefore never read each other's pages. DP replicas share pages: their bytes are equal.
-The namespace is complete once SGLang registers the host pool, right after construction.
-
-Objects. With the generic interface (get/set/batch_get/batch_set) a page is one object:
-the bytes of the flat page tensor SGLang hands over (`get_data_page(flat=True)`). With
-`interface_v1`, a page is one object per host buffer that `get_page_buffer_meta` names
-for it (K and V for MHA page-first layouts, one per layer and K/V for layer-first, one
-for MLA page-first), read and written in place in the host pool: no staging copy. The
-two interfaces keep separate namespaces, since their objects differ; exists and
-batch_exists answer for the interface the extra config selects.
-
-Faults. Every infrastructure fault (PolarKV down, timeout, lost page, a size that does
-not match) is a miss or False, never an exception into SGLang. A page counts only when
-all its objects are there, and `batch_exists` / `batch_get*` report the leading run of
-whole pages, as SGLang's prefetch consumes them. The v2 interface, with which hybrid
-models (Mamba, sliding-window, DSA side pools) store their extra state, is not
-supported: it reports misses and failed writes, so those models run without this tier.
+How pages become keys and objects, and which faults are misses: docs/ARCHITECTURE.md
+("Engine adapters").
 """
 
 from __future__ import annotations
@@ -84,8 +62,13 @@ class KeyedIO:
         """Store views[i] under keys[i]; how many are now stored (written or present)."""
         stored = 0
         for part in _by_bytes([len(v) for v in views]):
-            done = self._call("store", lambda part=part: self.client.put_many(  # type: ignore[misc]
-                [keys[i] for i in part], [views[i] for i in part]), 0)
+            done = self._call(
+                "store",
+                lambda part=part: self.client.put_many(  # type: ignore[misc]
+                    [keys[i] for i in part], [views[i] for i in part]
+                ),
+                0,
+            )
             stored += done
             if done < len(part):  # a fault: what follows would not count as a prefix anyway
                 break
@@ -97,12 +80,21 @@ class KeyedIO:
         done = 0
         miss: list[memoryview] = []
         for part in _by_bytes([len(t) for t in targets]):
-            views = self._call("load", lambda part=part: self.client.get_many(  # type: ignore[misc]
-                [keys[i] for i in part], [targets[i] for i in part]), miss)
+            views = self._call(
+                "load",
+                lambda part=part: self.client.get_many(  # type: ignore[misc]
+                    [keys[i] for i in part], [targets[i] for i in part]
+                ),
+                miss,
+            )
             for i, view in zip(part, views, strict=False):
                 if len(view) != len(targets[i]):
-                    log.warning("PolarKV object %s holds %d bytes, the page needs %d: a miss",
-                                keys[i], len(view), len(targets[i]))
+                    log.warning(
+                        "PolarKV object %s holds %d bytes, the page needs %d: a miss",
+                        keys[i],
+                        len(view),
+                        len(targets[i]),
+                    )
                     return done
                 done += 1
             if len(views) < len(part):
@@ -167,8 +159,9 @@ def shard_parts(storage_config: Any, extra: dict[str, Any]) -> list[str]:
     parts.append(f"cp={storage_config.attn_cp_rank}of{storage_config.attn_cp_size}")
     dcp_size = getattr(storage_config, "dcp_size", 1)
     if dcp_size > 1:
-        parts.append(f"dcp={storage_config.dcp_rank}of{dcp_size}"
-                     f"-page{storage_config.logical_page_size}")
+        parts.append(
+            f"dcp={storage_config.dcp_rank}of{dcp_size}-page{storage_config.logical_page_size}"
+        )
     return parts
 
 
@@ -196,13 +189,19 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
         self.flat_namespace = f"{self._base}/io=flat/{flat_pool}"
         self.v1_namespace = f"{self._base}/io=v1/{v1_pool}"
         self.namespace = self.v1_namespace if self.interface_v1 else self.flat_namespace
-        self._flat_secret = blake2b(self.flat_namespace.encode(), digest_size=32, person=_PERSON).digest()
-        self._v1_secret = blake2b(self.v1_namespace.encode(), digest_size=32, person=_PERSON).digest()
+        self._flat_secret = blake2b(
+            self.flat_namespace.encode(), digest_size=32, person=_PERSON
+        ).digest()
+        self._v1_secret = blake2b(
+            self.v1_namespace.encode(), digest_size=32, person=_PERSON
+        ).digest()
 
     def flat_keys(self, page_hashes: Sequence[str]) -> list[str]:
         """The keys of the generic interface's objects: one per page."""
-        return [blake2b(h.encode(), digest_size=16, key=self._flat_secret, person=_PERSON).hexdigest()
-                for h in page_hashes]
+        return [
+            blake2b(h.encode(), digest_size=16, key=self._flat_secret, person=_PERSON).hexdigest()
+            for h in page_hashes
+        ]
 
     def v1_keys(self, page_hashes: Sequence[str]) -> list[str]:
         """The keys of the v1 interface's objects: `_page_objects` per page, page by page."""
@@ -224,19 +223,28 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
         try:
             page = mem_pool_host.get_dummy_flat_data_page()
             dtype = str(page.dtype).removeprefix("torch.")
-            pool = (f"pool={type(mem_pool_host).__name__}-{getattr(mem_pool_host, 'layout', 'none')}"
-                    f"-page{int(mem_pool_host.page_size)}-{dtype}x{page.numel()}")
+            pool = (
+                f"pool={type(mem_pool_host).__name__}-{getattr(mem_pool_host, 'layout', 'none')}"
+                f"-page{int(mem_pool_host.page_size)}-{dtype}x{page.numel()}"
+            )
             objects, page_tokens, v1_pool = 1, 0, pool
             if self.interface_v1:
-                page_tokens = int(self.storage_config.logical_page_size
-                                  if self.storage_config.dcp_size > 1 else mem_pool_host.page_size)
+                page_tokens = int(
+                    self.storage_config.logical_page_size
+                    if self.storage_config.dcp_size > 1
+                    else mem_pool_host.page_size
+                )
                 ptrs, sizes = mem_pool_host.get_page_buffer_meta(
-                    torch.arange(page_tokens, dtype=torch.int64))
+                    torch.arange(page_tokens, dtype=torch.int64)
+                )
                 objects = len(ptrs)
                 v1_pool += f"-buffers={_describe_sizes([int(s) for s in sizes])}"
         except Exception as exc:  # a pool we cannot describe: no storage I/O, never a crash
-            log.error("PolarKV cannot describe SGLang host pool %s (%r): every lookup misses",
-                      type(mem_pool_host).__name__, exc)
+            log.error(
+                "PolarKV cannot describe SGLang host pool %s (%r): every lookup misses",
+                type(mem_pool_host).__name__,
+                exc,
+            )
             self._usable = False
             return
         self._page_objects, self._page_tokens = objects, page_tokens
@@ -263,8 +271,9 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
         return self.batch_get([key], targets)[0]
 
     @fault_is_miss(log, lambda _self, keys, *_, **__: [None] * len(keys))
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[Any]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[Any]:
         """Tensors for the leading stored pages, None from the first miss on. Each lands
         in its target tensor (in place when that is contiguous CPU memory), or in a fresh
         flat page of the host pool, or, with neither, in a uint8 tensor."""
@@ -276,8 +285,9 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
             target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
         if target_locations is None:
             values = self._io.read_any(pkeys)
-            return [torch.frombuffer(bytearray(v), dtype=torch.uint8) for v in values] \
-                + misses[len(values):]
+            return [torch.frombuffer(bytearray(v), dtype=torch.uint8) for v in values] + misses[
+                len(values) :
+            ]
         targets = list(target_locations)
         if len(targets) != len(keys):
             raise ValueError(f"{len(keys)} keys, {len(targets)} target locations")
@@ -286,8 +296,11 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
         for t in targets:
             direct = t.device.type == "cpu" and t.is_contiguous()
             staged.append(not direct)
-            buffers.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()) if direct
-                           else memoryview(bytearray(t.numel() * t.element_size())))
+            buffers.append(
+                memoryview(t.view(torch.uint8).reshape(-1).numpy())
+                if direct
+                else memoryview(bytearray(t.numel() * t.element_size()))
+            )
         n = self._io.read(pkeys, buffers)
         out: list[Any] = []
         for t, buf, copy in zip(targets[:n], buffers[:n], staged[:n], strict=True):
@@ -296,13 +309,19 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
             out.append(t)
         return out + misses[n:]
 
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
 
     @fault_is_miss(log, lambda *_, **__: False)
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         """Store each page tensor's bytes; True only if every page is now stored."""
         if not keys or values is None or not self._usable:
             return False
@@ -319,16 +338,20 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
         if pool is None or not self.interface_v1 or not self._usable:
             raise ValueError("no host pool registered for the v1 interface")
         if host_indices.numel() != len(keys) * self._page_tokens:
-            raise ValueError(f"{host_indices.numel()} host slots for {len(keys)} pages "
-                             f"of {self._page_tokens}")
+            raise ValueError(
+                f"{host_indices.numel()} host slots for {len(keys)} pages of {self._page_tokens}"
+            )
         ptrs, sizes = pool.get_page_buffer_meta(host_indices)
         if len(ptrs) != len(sizes) or len(ptrs) != len(keys) * self._page_objects:
-            raise ValueError(f"{len(ptrs)} page buffers for {len(keys)} pages "
-                             f"of {self._page_objects}")
+            raise ValueError(
+                f"{len(ptrs)} page buffers for {len(keys)} pages of {self._page_objects}"
+            )
         return [_host_view(int(p), int(s)) for p, s in zip(ptrs, sizes, strict=True)]
 
     @fault_is_miss(log, _no_pages)
-    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         """Read pages straight into their host-pool buffers; True for the leading pages
         read whole."""
         buffers = self._page_buffers(keys, host_indices) if keys else []
@@ -336,7 +359,9 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
         return [i < pages for i in range(len(keys))]
 
     @fault_is_miss(log, _no_pages)
-    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         """Write pages straight from their host-pool buffers. Pages already stored are not
         written again. True for each page known stored whole."""
         if not keys:
@@ -353,11 +378,14 @@ class PolarKVStorage(HiCacheStorage):  # type: ignore[misc]
     def _v2_unsupported(self) -> None:
         if not getattr(self, "_v2_warned", False):
             self._v2_warned = True
-            log.warning("PolarKV does not store SGLang's hybrid side pools (the v2 interface): "
-                        "those requests are served without the storage tier")
+            log.warning(
+                "PolarKV does not store SGLang's hybrid side pools (the v2 interface): "
+                "those requests are served without the storage tier"
+            )
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
-                        extra_info: Any = None) -> Any:
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
         self._v2_unsupported()
         return PoolTransferResult.empty()
 

@@ -43,6 +43,7 @@ SCHEDULER_LOOKUP_TIMEOUT = 0.5  # seconds: the scheduler loop is single-threaded
 
 # -- metadata: scheduler -> workers ------------------------------------------------------
 
+
 @dataclass
 class LoadOp:
     """Load the chunks of `tokens` (all full chunks, from chunk 0) and scatter the blocks
@@ -86,6 +87,7 @@ class ConnectorStats:
 
 # -- geometry and namespace (both roles, from the config alone) ---------------------------
 
+
 def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
@@ -93,28 +95,38 @@ def _natural_key(name: str) -> list[Any]:
 def _geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[PageGeometry | None, str]:
     """The page geometry, or None and why the connector cannot serve this model."""
     parallel = vllm_config.parallel_config
-    if getattr(parallel, "decode_context_parallel_size", 1) > 1 or \
-            getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+    if (
+        getattr(parallel, "decode_context_parallel_size", 1) > 1
+        or getattr(parallel, "prefill_context_parallel_size", 1) > 1
+    ):
         return None, "context parallelism shards a block's tokens across ranks"
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) != 1:
-        return None, f"{len(groups)} KV cache groups (only one group of attention layers is supported)"
+        return (
+            None,
+            f"{len(groups)} KV cache groups (only one group of attention layers is supported)",
+        )
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, AttentionSpec):
         return None, f"KV cache spec {type(spec).__name__} is not attention"
     if spec.tokens_per_state != 1:
         return None, "compressed KV (tokens_per_state != 1)"
-    return PageGeometry(block_size=int(spec.block_size), num_heads=int(spec.num_heads),
-                        content_bytes=int(spec.state_content_size_bytes),
-                        layers=tuple(sorted(groups[0].layer_names, key=_natural_key))), ""
+    return PageGeometry(
+        block_size=int(spec.block_size),
+        num_heads=int(spec.num_heads),
+        content_bytes=int(spec.state_content_size_bytes),
+        layers=tuple(sorted(groups[0].layer_names, key=_natural_key)),
+    ), ""
 
 
 def _chunk_tokens(settings: AdapterSettings, block_size: int) -> int:
     if settings.chunk_tokens is None:
         return -(-MIN_DEFAULT_CHUNK_TOKENS // block_size) * block_size
     if settings.chunk_tokens % block_size:
-        raise ValueError(f"PolarKV: 'chunk_tokens' ({settings.chunk_tokens}) must be a multiple "
-                         f"of the KV cache block size ({block_size})")
+        raise ValueError(
+            f"PolarKV: 'chunk_tokens' ({settings.chunk_tokens}) must be a multiple "
+            f"of the KV cache block size ({block_size})"
+        )
     return settings.chunk_tokens
 
 
@@ -128,16 +140,26 @@ def _parallel_ranks(vllm_config: Any, role: Any) -> tuple[int, int, int, int]:
         from vllm.distributed import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
-            return (parallel_state.get_tensor_model_parallel_rank(), tp,
-                    parallel_state.get_pp_group().rank_in_group, pp)
+            return (
+                parallel_state.get_tensor_model_parallel_rank(),
+                tp,
+                parallel_state.get_pp_group().rank_in_group,
+                pp,
+            )
     except Exception:  # not initialised (e.g. a bare worker in tests): use the config
         pass
     rank = int(getattr(parallel, "rank", 0))
     return rank % tp, tp, (rank // tp) % pp, pp
 
 
-def _namespace(settings: AdapterSettings, vllm_config: Any, kv_cache_config: Any,
-               geometry: PageGeometry, chunk_tokens: int, role: Any) -> str:
+def _namespace(
+    settings: AdapterSettings,
+    vllm_config: Any,
+    kv_cache_config: Any,
+    geometry: PageGeometry,
+    chunk_tokens: int,
+    role: Any,
+) -> str:
     from vllm.platforms import current_platform
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -145,24 +167,37 @@ def _namespace(settings: AdapterSettings, vllm_config: Any, kv_cache_config: Any
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype != "auto":
         dtype = f"{dtype}-{cache_dtype}"
-    layout = (getattr(kv_cache_config, "kv_cache_layout", None)
-              or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "unresolved")
+    layout = (
+        getattr(kv_cache_config, "kv_cache_layout", None)
+        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+        or "unresolved"
+    )
     tp_rank, tp, pp_rank, pp = _parallel_ranks(vllm_config, role)
-    return namespace(settings, "vllm", CHUNK_FORMAT, vllm_config.model_config.model, dtype, layout,
-                     f"b{geometry.block_size}-h{geometry.num_heads}-c{geometry.content_bytes}",
-                     current_platform.device_type, f"tp{tp_rank}of{tp}", f"pp{pp_rank}of{pp}",
-                     f"chunk{chunk_tokens}")
+    return namespace(
+        settings,
+        "vllm",
+        CHUNK_FORMAT,
+        vllm_config.model_config.model,
+        dtype,
+        layout,
+        f"b{geometry.block_size}-h{geometry.num_heads}-c{geometry.content_bytes}",
+        current_platform.device_type,
+        f"tp{tp_rank}of{tp}",
+        f"pp{pp_rank}of{pp}",
+        f"chunk{chunk_tokens}",
+    )
 
 
 # -- the connector -------------------------------------------------------------------------
+
 
 @dataclass
 class _Tracked:
     """Scheduler-side state of one request."""
 
-    tokens: list[int]        # prompt token ids
-    block_ids: list[int]     # its block table (group 0)
-    saved_chunks: int        # chunks [0, saved_chunks) are in PolarKV or being saved
+    tokens: list[int]  # prompt token ids
+    block_ids: list[int]  # its block table (group 0)
+    saved_chunks: int  # chunks [0, saved_chunks) are in PolarKV or being saved
 
 
 class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -193,20 +228,30 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.warning("PolarKVConnector disabled: %s", why)
             return
         self.chunk_tokens = _chunk_tokens(self.settings, geometry.block_size)
-        self.namespace = _namespace(self.settings, vllm_config, kv_cache_config, geometry,
-                                    self.chunk_tokens, role)
+        self.namespace = _namespace(
+            self.settings, vllm_config, kv_cache_config, geometry, self.chunk_tokens, role
+        )
         settings = self.settings
         if role == KVConnectorRole.SCHEDULER:
             settings = replace(settings, timeout=min(settings.timeout, SCHEDULER_LOOKUP_TIMEOUT))
         self._client = make_client(settings, self.namespace, self.chunk_tokens)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute" and \
-                role == KVConnectorRole.SCHEDULER:
-            log.warning("PolarKVConnector: kv_load_failure_policy is %r, so a chunk PolarKV "
-                        "fails to deliver fails its request; set it to 'recompute' to "
-                        "recompute such chunks instead",
-                        self._kv_transfer_config.kv_load_failure_policy)
-        log.info("PolarKVConnector (%s): %s, %d-token chunks, namespace %s",
-                 role.name.lower(), settings.manager_url, self.chunk_tokens, self.namespace)
+        if (
+            self._kv_transfer_config.kv_load_failure_policy != "recompute"
+            and role == KVConnectorRole.SCHEDULER
+        ):
+            log.warning(
+                "PolarKVConnector: kv_load_failure_policy is %r, so a chunk PolarKV "
+                "fails to deliver fails its request; set it to 'recompute' to "
+                "recompute such chunks instead",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
+        log.info(
+            "PolarKVConnector (%s): %s, %d-token chunks, namespace %s",
+            role.name.lower(),
+            settings.manager_url,
+            self.chunk_tokens,
+            self.namespace,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -234,13 +279,23 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @staticmethod
     def _cacheable(request: Any) -> bool:
         """Whether the request's KV is a function of its token ids alone."""
-        return (request.prompt_token_ids is not None and not request.mm_features
-                and request.lora_request is None and getattr(request, "cache_salt", None) is None
-                and getattr(request, "prompt_embeds", None) is None)
+        return (
+            request.prompt_token_ids is not None
+            and not request.mm_features
+            and request.lora_request is None
+            and getattr(request, "cache_salt", None) is None
+            and getattr(request, "prompt_embeds", None) is None
+        )
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if self._client is None or not self._load_enabled or not self._cacheable(request) \
-                or getattr(request, "skip_reading_prefix_cache", False):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        if (
+            self._client is None
+            or not self._load_enabled
+            or not self._cacheable(request)
+            or getattr(request, "skip_reading_prefix_cache", False)
+        ):
             return 0, False
         ct = self.chunk_tokens
         prompt = request.prompt_token_ids
@@ -273,9 +328,14 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         bs = self._geometry.block_size
         first_block, last_block = local // bs, -(-end // bs)
         self.stats.hit_tokens += num_external_tokens
-        self._pending_loads.append(LoadOp(
-            req_id, tokens[: -(-end // self.chunk_tokens) * self.chunk_tokens],
-            block_ids[first_block:last_block], first_block))
+        self._pending_loads.append(
+            LoadOp(
+                req_id,
+                tokens[: -(-end // self.chunk_tokens) * self.chunk_tokens],
+                block_ids[first_block:last_block],
+                first_block,
+            )
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> PolarKVConnectorMetadata:
         meta = PolarKVConnectorMetadata(loads=self._pending_loads)
@@ -288,8 +348,13 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
-                self._plan_save(meta, new.req_id, tracked,
-                                new.num_computed_tokens + scheduled.get(new.req_id, 0), block_state)
+                self._plan_save(
+                    meta,
+                    new.req_id,
+                    tracked,
+                    new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                    block_state,
+                )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
@@ -301,12 +366,23 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     tracked.block_ids = list(new_ids[0])
                 else:
                     tracked.block_ids.extend(new_ids[0])
-            self._plan_save(meta, req_id, tracked,
-                            cached.num_computed_tokens[i] + scheduled.get(req_id, 0), block_state)
+            self._plan_save(
+                meta,
+                req_id,
+                tracked,
+                cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
+                block_state,
+            )
         return meta
 
-    def _plan_save(self, meta: PolarKVConnectorMetadata, req_id: str, tracked: _Tracked,
-                   computed_after_step: int, block_state: Any) -> None:
+    def _plan_save(
+        self,
+        meta: PolarKVConnectorMetadata,
+        req_id: str,
+        tracked: _Tracked,
+        computed_after_step: int,
+        block_state: Any,
+    ) -> None:
         """Save the chunks whose last token this step computes."""
         ct, per_chunk = self.chunk_tokens, self._blocks_per_chunk
         full = min(len(tracked.tokens), computed_after_step) // ct
@@ -317,12 +393,22 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if ids:
                 tracked.block_ids = list(ids[0])
         if len(tracked.block_ids) < full * per_chunk:
-            log.warning("PolarKV: request %s has %d blocks for %d chunks; not saving",
-                        req_id, len(tracked.block_ids), full)
+            log.warning(
+                "PolarKV: request %s has %d blocks for %d chunks; not saving",
+                req_id,
+                len(tracked.block_ids),
+                full,
+            )
             return
         first = tracked.saved_chunks
-        meta.saves.append(SaveOp(req_id, tracked.tokens[: full * ct],
-                                 tracked.block_ids[first * per_chunk: full * per_chunk], first))
+        meta.saves.append(
+            SaveOp(
+                req_id,
+                tracked.tokens[: full * ct],
+                tracked.block_ids[first * per_chunk : full * per_chunk],
+                first,
+            )
+        )
         tracked.saved_chunks = full
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -337,7 +423,9 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     tracked.saved_chunks = min(tracked.saved_chunks, position // per_chunk)
                     break
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         return False, None  # saves copy their blocks in the step that computed them
@@ -388,10 +476,14 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         chunks = len(op.tokens) // self.chunk_tokens
         host = self._host_buffer(chunks)
         data = host.numpy()
-        n_tokens, views = self._client.load_kv(op.tokens, [memoryview(data[i]) for i in range(chunks)])
+        n_tokens, views = self._client.load_kv(
+            op.tokens, [memoryview(data[i]) for i in range(chunks)]
+        )
         loaded = n_tokens // self.chunk_tokens
         # A chunk of another size cannot be this format: it ends the usable prefix.
-        loaded = next((i for i, v in enumerate(views[:loaded]) if len(v) != self.chunk_bytes), loaded)
+        loaded = next(
+            (i for i, v in enumerate(views[:loaded]) if len(v) != self.chunk_bytes), loaded
+        )
         self.stats.loaded_chunks += loaded
         per_chunk = self._blocks_per_chunk
         usable = max(0, min(len(op.block_ids), loaded * per_chunk - op.first_block))
@@ -410,7 +502,9 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # chunks are gathered once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -435,8 +529,11 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         per_chunk = self._blocks_per_chunk
         chunks = len(block_ids) // per_chunk
         index = torch.tensor(block_ids, dtype=torch.long, device=self._device)
-        staged = torch.empty((chunks, len(self._pages), per_chunk, self._geometry.page_bytes),
-                             dtype=torch.uint8, device=self._device)
+        staged = torch.empty(
+            (chunks, len(self._pages), per_chunk, self._geometry.page_bytes),
+            dtype=torch.uint8,
+            device=self._device,
+        )
         for layer, pages in enumerate(self._pages):
             staged[:, layer] = pages.index_select(0, index).reshape(chunks, per_chunk, -1)
         if self._device.type == "cpu":

@@ -53,10 +53,16 @@ def page_view(cache: Any, geometry: PageGeometry) -> Any:
             return u8.unflatten(0, (blocks // ratio, ratio)).permute(0, 2, 1, 3, 4)
     elif cache.dim() == 5:  # K/V stacked: [2, blocks, bs, H, D] or [blocks, 2, bs, H, D]
         for kv_dim, order in ((0, (1, 3, 2, 0, 4)), (1, (0, 3, 2, 1, 4))):
-            if u8.shape[kv_dim] == 2 and u8.shape[2:4] == (bs, heads) and 2 * u8.shape[4] == content:
+            if (
+                u8.shape[kv_dim] == 2
+                and u8.shape[2:4] == (bs, heads)
+                and 2 * u8.shape[4] == content
+            ):
                 return u8.permute(*order)
-    raise ValueError(f"PolarKV: unsupported KV cache shape {shape} (dtype {cache.dtype}) for "
-                     f"block size {bs}, {heads} KV heads and {content}-byte cells")
+    raise ValueError(
+        f"PolarKV: unsupported KV cache shape {shape} (dtype {cache.dtype}) for "
+        f"block size {bs}, {heads} KV heads and {content}-byte cells"
+    )
 
 
 class Saver:
@@ -64,8 +70,12 @@ class Saver:
     network in the engine's step. Bounded in pending bytes: beyond the bound a save is
     dropped (the caller counts it)."""
 
-    def __init__(self, client: PolarKVClient, stats: ConnectorStats,
-                 max_pending_bytes: int = MAX_PENDING_SAVE_BYTES) -> None:
+    def __init__(
+        self,
+        client: PolarKVClient,
+        stats: ConnectorStats,
+        max_pending_bytes: int = MAX_PENDING_SAVE_BYTES,
+    ) -> None:
         self._client = client
         self._stats = stats
         self._max = max_pending_bytes
@@ -129,10 +139,10 @@ class Saver:
         if op.first_chunk == 0:
             stored = self._client.store_kv(op.tokens, chunks)
         else:
-            keys = self._client.keys(op.tokens)[op.first_chunk:]
-            stored = sum(self._client.put(key, chunk) for key, chunk in zip(keys, chunks, strict=True))
+            keys = self._client.keys(op.tokens)[op.first_chunk :]
+            stored = sum(
+                self._client.put(key, chunk) for key, chunk in zip(keys, chunks, strict=True)
+            )
         self._stats.saved_chunks += stored
         if stored < len(chunks):
             self._stats.failed_saves += 1
-
-

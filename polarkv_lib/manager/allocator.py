@@ -106,7 +106,9 @@ class Allocator:
         n = self._start.get(self._hint)
         if n is not None and self._hint <= offset and offset + length <= self._hint + n:
             return self._hint
-        return next((s for s, n in self._start.items() if s <= offset and offset + length <= s + n), None)
+        return next(
+            (s for s, n in self._start.items() if s <= offset and offset + length <= s + n), None
+        )
 
     def release(self, offset: int, length: int) -> None:
         if self._live.get(offset) != length:

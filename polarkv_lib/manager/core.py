@@ -40,16 +40,23 @@ from polarkv_lib.manager.views import Views
 class Metadata(Draining, Snapshots, Views):
     # -- reads --------------------------------------------------------------------------
 
-    def lookup(self, keys: list[str], take_lease: bool, lease_id: str | None = None
-               ) -> tuple[list[Entry], str | None]:
+    def lookup(
+        self, keys: list[str], take_lease: bool, lease_id: str | None = None
+    ) -> tuple[list[Entry], str | None]:
         """The longest ready prefix of `keys`, touched in its nodes' LRUs. With a lease,
         disk-only entries in it get a reload queued (entry.reloading): the caller waits
         for those and then calls `settle_lookup`. Without a lease nothing moves.
         `lease_id` extends an open read lease (the same request, continued)."""
         return self._lookup_pass(keys, take_lease, lease_id)
 
-    def _lookup_pass(self, keys: list[str], take_lease: bool, lease_id: str | None,
-                     first: bool = True, tenant: str = "") -> tuple[list[Entry], str | None]:
+    def _lookup_pass(
+        self,
+        keys: list[str],
+        take_lease: bool,
+        lease_id: str | None,
+        first: bool = True,
+        tenant: str = "",
+    ) -> tuple[list[Entry], str | None]:
         hits: list[Entry] = []
         seen: set[str] = set()
         for key in keys:
@@ -61,7 +68,7 @@ class Metadata(Draining, Snapshots, Views):
                     hits.append(entry)  # a probe: it is there, on disk
                     continue
                 if not self._start_reload(entry, protected=seen):
-                    self._note_reload_pressure(entry.node, keys[len(hits) + 1:])
+                    self._note_reload_pressure(entry.node, keys[len(hits) + 1 :])
                     break  # no memory for it now: the prefix ends here
             hits.append(entry)
             seen.add(key)
@@ -92,7 +99,9 @@ class Metadata(Draining, Snapshots, Views):
             lease.disk_hits |= reloading
             return hits, lease_id
         lease_id = new_id()
-        self.read_leases[lease_id] = ReadLease(list(hits), self.clock() + self.read_lease_ttl, reloading)
+        self.read_leases[lease_id] = ReadLease(
+            list(hits), self.clock() + self.read_lease_ttl, reloading
+        )
         return hits, lease_id
 
     def settle_lookup(self, lease_id: str | None, hits: list[Entry]) -> list[Entry]:
@@ -114,7 +123,7 @@ class Metadata(Draining, Snapshots, Views):
         if lease is not None:
             for entry in gone:
                 self._unref(entry)
-            del lease.entries[len(lease.entries) - len(gone):]  # `hits` is the lease's tail
+            del lease.entries[len(lease.entries) - len(gone) :]  # `hits` is the lease's tail
             if not lease.entries:
                 del self.read_leases[lease_id or ""]
         return hits[:served]
@@ -130,13 +139,20 @@ class Metadata(Draining, Snapshots, Views):
 
     def continue_lookup(self, op: Lookup) -> None:
         """Another pass over the keys past the served prefix (memory was freed)."""
-        rest = op.keys[len(op.served):]
+        rest = op.keys[len(op.served) :]
         self.counters.misses -= len(rest)
         self.tenant(op.tenant).misses -= len(rest)
-        op.pending, op.lease = self._lookup_pass(rest, op.take_lease, op.lease, first=False, tenant=op.tenant)
+        op.pending, op.lease = self._lookup_pass(
+            rest, op.take_lease, op.lease, first=False, tenant=op.tenant
+        )
         op.wait_room = False
         if not op.reloads:
             self.settle(op)
+
+    def others_reading(self, op: Lookup) -> bool:
+        """Other requests hold read leases: their memory copies become free to drop (or
+        to offload) when they release, so a lookup short of room may wait for that."""
+        return len(self.read_leases) > (op.lease in self.read_leases)
 
     def settle(self, op: Lookup) -> None:
         """After this pass's reloads landed (or the caller stopped waiting): serve what is
@@ -214,8 +230,9 @@ class Metadata(Draining, Snapshots, Views):
 
     # -- writes -------------------------------------------------------------------------
 
-    def allocate(self, items: list[tuple[str, int]], lease_id: str | None = None, tenant: str = ""
-                 ) -> tuple[list[AllocResult], str | None]:
+    def allocate(
+        self, items: list[tuple[str, int]], lease_id: str | None = None, tenant: str = ""
+    ) -> tuple[list[AllocResult], str | None]:
         """First writer wins: a key that exists or is being written is not allocated
         again. `lease_id` adds the new entries to an open write lease (a retry)."""
         # A writer re-storing a prefix is using it: its existing chunks become recent (head
@@ -265,9 +282,20 @@ class Metadata(Draining, Snapshots, Views):
                 results.append(AllocResult(key, AllocStatus.NO_SPACE))
                 continue
             node, offset, alloc_size = placed
-            entry = Entry(key, size, node, offset, alloc_size, State.WRITING, wall, wall,
-                          gen=self._next_gen(), write_lease=lease_key, tenant=tenant)
-            self.table(key)[key] = entry
+            entry = Entry(
+                key,
+                size,
+                node,
+                offset,
+                alloc_size,
+                State.WRITING,
+                wall,
+                wall,
+                gen=self._next_gen(),
+                write_lease=lease_key,
+                tenant=tenant,
+            )
+            self.entries[key] = entry
             node.entries.add(key)
             lease_entries[key] = entry
             self.counters.allocations += 1
@@ -352,9 +380,18 @@ class Metadata(Draining, Snapshots, Views):
 
     # -- nodes --------------------------------------------------------------------------
 
-    def register(self, node_id: str, incarnation: int, address: str, capacity: int,
-                 shm_path: str, host_id: str, transports: list[str], disk_capacity: int = 0,
-                 base: int = 0) -> tuple[Node, bool]:
+    def register(
+        self,
+        node_id: str,
+        incarnation: int,
+        address: str,
+        capacity: int,
+        shm_path: str,
+        host_id: str,
+        transports: list[str],
+        disk_capacity: int = 0,
+        base: int = 0,
+    ) -> tuple[Node, bool]:
         """Returns (node, is_new). Re-registering the same live incarnation only refreshes
         it. A new node's persisted entries start coming back (see manager/snapshot.py).
         Raises NodeIdInUse for another registration of a node that is heartbeating: a
@@ -362,23 +399,47 @@ class Metadata(Draining, Snapshots, Views):
         half the TTL (it beats three times per TTL), a stranger never drops its entries."""
         now = self.clock()
         old = self.nodes.get(node_id)
-        if (old is not None and old.alive and old.incarnation == incarnation and old.capacity == capacity
-                and old.disk_capacity == disk_capacity and old.base == base):
-            old.address, old.shm_path, old.host_id, old.transports = address, shm_path, host_id, transports
+        if (
+            old is not None
+            and old.alive
+            and old.incarnation == incarnation
+            and old.capacity == capacity
+            and old.disk_capacity == disk_capacity
+            and old.base == base
+        ):
+            old.address, old.shm_path, old.host_id, old.transports = (
+                address,
+                shm_path,
+                host_id,
+                transports,
+            )
             old.last_heartbeat, old.last_heartbeat_wall = now, self.wall()
             return old, False
         if old is not None and old.alive and now - old.last_heartbeat < self.heartbeat_ttl / 2:
             raise NodeIdInUse(node_id)
         if old is not None:
             self._kill(old)
-        node = Node(node_id, incarnation, address, capacity, shm_path, host_id, transports,
-                    now, self.wall(), disk_capacity, base)
+        node = Node(
+            node_id,
+            incarnation,
+            address,
+            capacity,
+            shm_path,
+            host_id,
+            transports,
+            now,
+            self.wall(),
+            disk_capacity,
+            base,
+        )
         self.nodes[node_id] = node
         self.dirty_nodes.add(node_id)
         self._begin_restore(node)
         return node, True
 
-    def heartbeat(self, node_id: str, incarnation: int, reported: dict[str, int] | None = None) -> bool:
+    def heartbeat(
+        self, node_id: str, incarnation: int, reported: dict[str, int] | None = None
+    ) -> bool:
         """False tells the slab to register again (unknown, dead, or another incarnation)."""
         node = self.node(node_id, incarnation)
         if node is None:
@@ -456,5 +517,14 @@ class Metadata(Draining, Snapshots, Views):
         return events
 
 
-__all__ = ["AllocResult", "AllocStatus", "Allocation", "Entry", "Lookup", "Metadata", "Node",
-           "Residency", "State"]
+__all__ = [
+    "AllocResult",
+    "AllocStatus",
+    "Allocation",
+    "Entry",
+    "Lookup",
+    "Metadata",
+    "Node",
+    "Residency",
+    "State",
+]

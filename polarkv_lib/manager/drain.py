@@ -33,9 +33,14 @@ class Draining(Tiering):
     @staticmethod
     def drain_view(node: Node) -> dict[str, Any]:
         pending = len(node.offloads)
-        return {"node": node.node_id, "draining": node.draining, "keys_memory": len(node.lru),
-                "offloads_pending": pending, "keys_disk": len(node.disk_lru),
-                "drained": not node.lru and not pending}
+        return {
+            "node": node.node_id,
+            "draining": node.draining,
+            "keys_memory": len(node.lru),
+            "offloads_pending": pending,
+            "keys_disk": len(node.disk_lru),
+            "drained": not node.lru and not pending,
+        }
 
     def plan_tiering(self) -> list[str]:
         touched = set(super().plan_tiering())
@@ -47,8 +52,9 @@ class Draining(Tiering):
                     touched.add(node.node_id)
         return sorted(touched)
 
-    def _alloc_on(self, node: Node, size: int, protected: set[str], make_room: bool = True
-                  ) -> tuple[int, int] | None:
+    def _alloc_on(
+        self, node: Node, size: int, protected: set[str], make_room: bool = True
+    ) -> tuple[int, int] | None:
         # Every new memory extent (placement or reload) comes through here.
         if node.draining:
             return None

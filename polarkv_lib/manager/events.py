@@ -36,14 +36,25 @@ class Kind(StrEnum):
 
 
 # What a person should make of each kind (the page colours by it).
-LEVELS = {Kind.NODE_JOINED: "info", Kind.NODE_LEFT: "info", Kind.NODE_DRAINING: "info",
-          Kind.NODE_DIED: "error", Kind.CHECKSUM_FAILURE: "error", Kind.TIER_FAILURE: "warning",
-          Kind.STORE_RETRYING: "warning", Kind.STORE_CAUGHT_UP: "info"}
+LEVELS = {
+    Kind.NODE_JOINED: "info",
+    Kind.NODE_LEFT: "info",
+    Kind.NODE_DRAINING: "info",
+    Kind.NODE_DIED: "error",
+    Kind.CHECKSUM_FAILURE: "error",
+    Kind.TIER_FAILURE: "warning",
+    Kind.STORE_RETRYING: "warning",
+    Kind.STORE_CAUGHT_UP: "info",
+}
 
 
 class EventRing:
-    def __init__(self, capacity: int = CAPACITY, coalesce_s: float = COALESCE_S,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        capacity: int = CAPACITY,
+        coalesce_s: float = COALESCE_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._ring: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._seq = itertools.count(1)
         self._coalesce_s = coalesce_s
@@ -54,16 +65,31 @@ class EventRing:
         now = self._clock()
         for i in range(len(self._ring) - 1, max(len(self._ring) - FOLD_WINDOW, 0) - 1, -1):
             seen = self._ring[i]
-            if seen["kind"] == kind and seen["subject"] == subject and now - seen["time"] <= self._coalesce_s:
+            if (
+                seen["kind"] == kind
+                and seen["subject"] == subject
+                and now - seen["time"] <= self._coalesce_s
+            ):
                 # Folded into that one, moved to the end with a new sequence number so
                 # that pollers see the change.
                 del self._ring[i]
-                seen.update(fields, seq=next(self._seq), time=now, count=seen["count"] + 1, message=message)
+                seen.update(
+                    fields, seq=next(self._seq), time=now, count=seen["count"] + 1, message=message
+                )
                 self._ring.append(seen)
                 return seen
         seq = next(self._seq)
-        event = {"seq": seq, "id": seq, "time": now, "kind": kind.value, "level": LEVELS[kind],
-                 "subject": subject, "message": message, "count": 1, **fields}
+        event = {
+            "seq": seq,
+            "id": seq,
+            "time": now,
+            "kind": kind.value,
+            "level": LEVELS[kind],
+            "subject": subject,
+            "message": message,
+            "count": 1,
+            **fields,
+        }
         self._ring.append(event)
         return event
 

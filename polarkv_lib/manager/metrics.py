@@ -20,44 +20,91 @@ from polarkv_lib.manager.views import STATS_KEYS
 Source = str | dict[str, str]  # a stats key, or {label value: stats key}
 _COUNTERS: dict[str, tuple[str, str, Source]] = {
     # metric name: (help, stats key or {label value: stats key})
-    "polarkv_hits": ("chunks found by lookups, by tier", "tier", {"memory": "hits_memory", "disk": "hits_disk"}),
+    "polarkv_hits": (
+        "chunks found by lookups, by tier",
+        "tier",
+        {"memory": "hits_memory", "disk": "hits_disk"},
+    ),
     "polarkv_misses": ("chunks looked up past the hit prefix", "", "misses"),
     "polarkv_lookups": ("lookup requests", "", "lookups"),
-    "polarkv_allocations": ("allocate results, by result", "result", {
-        "allocated": "allocations", "exists": "alloc_exists",
-        "in_progress": "alloc_in_progress", "no_space": "alloc_no_space"}),
+    "polarkv_allocations": (
+        "allocate results, by result",
+        "result",
+        {
+            "allocated": "allocations",
+            "exists": "alloc_exists",
+            "in_progress": "alloc_in_progress",
+            "no_space": "alloc_no_space",
+        },
+    ),
     "polarkv_commits": ("entries made visible by write-finish", "", "commits"),
     "polarkv_aborts": ("writes aborted by their writer", "", "aborts"),
     "polarkv_evictions": ("ready entries evicted from memory", "", "evictions"),
     "polarkv_offloads": ("entries written to disk", "", "offloads"),
     "polarkv_reloads": ("entries read back from disk", "", "reloads"),
-    "polarkv_expired_leases": ("leases that ran out, by kind", "kind", {
-        "read": "expired_read_leases", "write": "expired_write_leases"}),
-    "polarkv_checksum_failures": ("entries dropped because their bytes failed the checksum", "",
-                                  "checksum_failures"),
-    "polarkv_corrupt_reports": ("clients' checksum-mismatch reports (checked on the slab before any drop)", "",
-                                "corrupt_reports"),
-    "polarkv_corrupt_reports_rejected": ("reports the slab's bytes did not bear out", "",
-                                         "corrupt_reports_rejected"),
+    "polarkv_expired_leases": (
+        "leases that ran out, by kind",
+        "kind",
+        {"read": "expired_read_leases", "write": "expired_write_leases"},
+    ),
+    "polarkv_checksum_failures": (
+        "entries dropped because their bytes failed the checksum",
+        "",
+        "checksum_failures",
+    ),
+    "polarkv_corrupt_reports": (
+        "clients' checksum-mismatch reports (checked on the slab before any drop)",
+        "",
+        "corrupt_reports",
+    ),
+    "polarkv_corrupt_reports_rejected": (
+        "reports the slab's bytes did not bear out",
+        "",
+        "corrupt_reports_rejected",
+    ),
     "polarkv_deletes": ("entries deleted through the admin API", "", "deletes"),
     "polarkv_entries_lost": ("ready entries lost with a dead node", "", "entries_lost"),
 }
 _GAUGES: dict[str, tuple[str, str, Source]] = {
-    "polarkv_keys": ("ready entries, by tier", "tier", {"memory": "keys_memory", "disk": "keys_disk"}),
-    "polarkv_bytes": ("payload bytes of ready entries, by tier", "tier",
-                      {"memory": "bytes_memory", "disk": "bytes_disk"}),
-    "polarkv_capacity_bytes": ("capacity of alive nodes, by tier", "tier",
-                               {"memory": "capacity_memory", "disk": "capacity_disk"}),
-    "polarkv_allocated_bytes": ("memory held by allocations, ready or being written", "",
-                                "bytes_memory_allocated"),
-    "polarkv_leases": ("live leases, by kind", "kind", {"read": "read_leases", "write": "write_leases"}),
-    "polarkv_nodes": ("registered nodes, by state", "state", {"alive": "nodes", "dead": "nodes_dead"}),
+    "polarkv_keys": (
+        "ready entries, by tier",
+        "tier",
+        {"memory": "keys_memory", "disk": "keys_disk"},
+    ),
+    "polarkv_bytes": (
+        "payload bytes of ready entries, by tier",
+        "tier",
+        {"memory": "bytes_memory", "disk": "bytes_disk"},
+    ),
+    "polarkv_capacity_bytes": (
+        "capacity of alive nodes, by tier",
+        "tier",
+        {"memory": "capacity_memory", "disk": "capacity_disk"},
+    ),
+    "polarkv_allocated_bytes": (
+        "memory held by allocations, ready or being written",
+        "",
+        "bytes_memory_allocated",
+    ),
+    "polarkv_leases": (
+        "live leases, by kind",
+        "kind",
+        {"read": "read_leases", "write": "write_leases"},
+    ),
+    "polarkv_nodes": (
+        "registered nodes, by state",
+        "state",
+        {"alive": "nodes", "dead": "nodes_dead"},
+    ),
 }
 
 
 def _stats_keys(table: dict[str, tuple[str, str, Source]]) -> set[str]:
-    return {k for _, _, source in table.values()
-            for k in (source.values() if isinstance(source, dict) else [source])}
+    return {
+        k
+        for _, _, source in table.values()
+        for k in (source.values() if isinstance(source, dict) else [source])
+    }
 
 
 # every value comes from the one stats schema (manager/views.py)
@@ -75,12 +122,21 @@ _NODE_GAUGES = {
 _NODE_REPORTED = {
     "polarkv_node_tiering_bytes_to_other_nodes": (
         "bytes of tiering orders that named another node's buffer (stays 0: tiering is local)",
-        "tiering_bytes_to_other_nodes"),
+        "tiering_bytes_to_other_nodes",
+    ),
     "polarkv_node_offload_bytes": ("bytes the node's disk role wrote to its disk", "offload_bytes"),
-    "polarkv_node_reload_bytes": ("bytes the node's disk role read into its memory", "reload_bytes"),
-    "polarkv_node_data_bytes_read": ("bytes clients read from the node's buffer over tcp", "data_bytes_read"),
-    "polarkv_node_data_bytes_written": ("bytes clients wrote into the node's buffer over tcp",
-                                        "data_bytes_written"),
+    "polarkv_node_reload_bytes": (
+        "bytes the node's disk role read into its memory",
+        "reload_bytes",
+    ),
+    "polarkv_node_data_bytes_read": (
+        "bytes clients read from the node's buffer over tcp",
+        "data_bytes_read",
+    ),
+    "polarkv_node_data_bytes_written": (
+        "bytes clients wrote into the node's buffer over tcp",
+        "data_bytes_written",
+    ),
 }
 
 
@@ -89,28 +145,50 @@ _TENANT = {
     "polarkv_tenant_lookups": ("lookup requests of the tenant", CounterMetricFamily, "lookups"),
     "polarkv_tenant_hits": ("chunks the tenant's lookups found", CounterMetricFamily, "hits"),
     "polarkv_tenant_misses": ("chunks the tenant's lookups missed", CounterMetricFamily, "misses"),
-    "polarkv_tenant_allocations": ("entries allocated for the tenant", CounterMetricFamily, "allocations"),
-    "polarkv_tenant_alloc_no_space": ("allocations the tenant was refused for room", CounterMetricFamily,
-                                      "alloc_no_space"),
+    "polarkv_tenant_allocations": (
+        "entries allocated for the tenant",
+        CounterMetricFamily,
+        "allocations",
+    ),
+    "polarkv_tenant_alloc_no_space": (
+        "allocations the tenant was refused for room",
+        CounterMetricFamily,
+        "alloc_no_space",
+    ),
     "polarkv_tenant_commits": ("entries the tenant made visible", CounterMetricFamily, "commits"),
-    "polarkv_tenant_keys_memory": ("the tenant's ready entries in memory", GaugeMetricFamily, "keys_memory"),
-    "polarkv_tenant_bytes_memory": ("payload bytes of the tenant's entries in memory", GaugeMetricFamily,
-                                    "bytes_memory"),
+    "polarkv_tenant_keys_memory": (
+        "the tenant's ready entries in memory",
+        GaugeMetricFamily,
+        "keys_memory",
+    ),
+    "polarkv_tenant_bytes_memory": (
+        "payload bytes of the tenant's entries in memory",
+        GaugeMetricFamily,
+        "bytes_memory",
+    ),
 }
 Tenants = Callable[[], dict[str, dict[str, int]]]
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, int]], failures: Callable[[], dict[str, int]],
-                 nodes: Callable[[], list[dict[str, Any]]], tenants: Tenants | None) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, int]],
+        failures: Callable[[], dict[str, int]],
+        nodes: Callable[[], list[dict[str, Any]]],
+        tenants: Tenants | None,
+    ) -> None:
         self._stats = stats
         self._failures = failures
         self._nodes = nodes
         self._tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
-        failures = CounterMetricFamily("polarkv_tier_failures", "offloads and reloads that failed, by reason",
-                                       labels=["op", "reason"])
+        failures = CounterMetricFamily(
+            "polarkv_tier_failures",
+            "offloads and reloads that failed, by reason",
+            labels=["op", "reason"],
+        )
         for name, count in sorted(self._failures().items()):
             op, _, reason = name.partition("_")
             failures.add_metric([op, reason], count)
@@ -148,16 +226,45 @@ class _StatsCollector(Collector):
 
 
 class ManagerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, int]], failures: Callable[[], dict[str, int]],
-                 nodes: Callable[[], list[dict[str, Any]]], tenants: Tenants | None = None) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, int]],
+        failures: Callable[[], dict[str, int]],
+        nodes: Callable[[], list[dict[str, Any]]],
+        tenants: Tenants | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(stats, failures, nodes, tenants))
         tier_buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-        self.offload_seconds = Histogram("polarkv_offload_seconds", "time to write one entry to disk",
-                                         registry=self.registry, buckets=tier_buckets)
-        self.reload_seconds = Histogram("polarkv_reload_seconds", "time to read one entry back",
-                                        registry=self.registry, buckets=tier_buckets)
-        self.request_seconds = Histogram(
-            "polarkv_request_seconds", "manager request latency, by endpoint", ["endpoint"],
+        self.offload_seconds = Histogram(
+            "polarkv_offload_seconds",
+            "time to write one entry to disk",
             registry=self.registry,
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0))
+            buckets=tier_buckets,
+        )
+        self.reload_seconds = Histogram(
+            "polarkv_reload_seconds",
+            "time to read one entry back",
+            registry=self.registry,
+            buckets=tier_buckets,
+        )
+        self.request_seconds = Histogram(
+            "polarkv_request_seconds",
+            "manager request latency, by endpoint",
+            ["endpoint"],
+            registry=self.registry,
+            buckets=(
+                0.0001,
+                0.00025,
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.5,
+                1.0,
+            ),
+        )

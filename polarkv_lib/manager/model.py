@@ -34,8 +34,11 @@ class NodeIdInUse(BadRequest):
     would drop the live node's entries."""
 
     def __init__(self, node_id: str) -> None:
-        super().__init__(f"node {node_id!r} is alive under another incarnation; "
-                         "a restarted node can register once the old one has gone silent", 409)
+        super().__init__(
+            f"node {node_id!r} is alive under another incarnation; "
+            "a restarted node can register once the old one has gone silent",
+            409,
+        )
 
 
 class State(StrEnum):

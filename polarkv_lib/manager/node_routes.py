@@ -2,8 +2,8 @@
 disk roles long-poll for tier orders, report results and report the files they found.
 
 A mixin of `ManagerService` (manager/app.py), so the routes stay where the rest of the
-shell registers them; every call needs the admin token when one is set (app.py's
-`_authorize`).
+shell registers them; every call needs the admin token when one is set (auth.py's
+`Auth.authorize`).
 """
 
 from __future__ import annotations
@@ -62,17 +62,33 @@ class NodeRoutes:
     async def register(self, request: web.Request) -> web.Response:
         req = control.parse_register(await self._body(request))
         base, capacity = self.guard.arena(req.capacity)  # this shard's part of the buffer
-        node, is_new = self.meta.register(req.node_id, req.incarnation, req.address, capacity,
-                                          req.shm_path, req.host_id, req.transports,
-                                          self.guard.disk_share(req.disk_capacity), base)
+        node, is_new = self.meta.register(
+            req.node_id,
+            req.incarnation,
+            req.address,
+            capacity,
+            req.shm_path,
+            req.host_id,
+            req.transports,
+            self.guard.disk_share(req.disk_capacity),
+            base,
+        )
         if is_new:
             self._start_restore()
             self.events.add(Kind.NODE_JOINED, node.node_id, f"node joined ({node.address})")
-            log.info("node joined", node=node.node_id, address=node.address,
-                     incarnation=node.incarnation, capacity=node.capacity,
-                     disk_capacity=node.disk_capacity)
-        body: dict[str, Any] = {"node_id": node.node_id, "incarnation": node.incarnation,
-                                "heartbeat_ttl": self.meta.heartbeat_ttl}
+            log.info(
+                "node joined",
+                node=node.node_id,
+                address=node.address,
+                incarnation=node.incarnation,
+                capacity=node.capacity,
+                disk_capacity=node.disk_capacity,
+            )
+        body: dict[str, Any] = {
+            "node_id": node.node_id,
+            "incarnation": node.incarnation,
+            "heartbeat_ttl": self.meta.heartbeat_ttl,
+        }
         if self._grant_key_shared:
             body["grant_key"] = self.grant_key.hex()
         return json_response(body)
@@ -123,7 +139,9 @@ class NodeRoutes:
                 self._settle_reload(r.gen)
             if not r.ok:
                 log.warning(f"{r.op} failed", node=ref.node_id, key=r.key, reason=r.reason)
-                self.events.add(Kind.TIER_FAILURE, ref.node_id, f"{r.op} failed: {r.reason}", key=r.key)
+                self.events.add(
+                    Kind.TIER_FAILURE, ref.node_id, f"{r.op} failed: {r.reason}", key=r.key
+                )
         self._signal_freed()
         self._kick()
         return json_response({"ok": True})

@@ -24,11 +24,16 @@ STR = {"type": "string"}
 NUM = {"type": "number"}
 
 
-def obj(required: dict[str, Any], optional: dict[str, Any] | None = None,
-        additional: bool = False) -> dict[str, Any]:
+def obj(
+    required: dict[str, Any], optional: dict[str, Any] | None = None, additional: bool = False
+) -> dict[str, Any]:
     props = {**required, **(optional or {})}
-    return {"type": "object", "required": list(required), "properties": props,
-            "additionalProperties": additional}
+    return {
+        "type": "object",
+        "required": list(required),
+        "properties": props,
+        "additionalProperties": additional,
+    }
 
 
 def arr(items: dict[str, Any], min_items: int = 0) -> dict[str, Any]:
@@ -42,24 +47,46 @@ INCARNATION = {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
 POSITIVE = {"type": "integer", "minimum": 1, "maximum": 2**62}  # JSON numbers stay within 64 bits
 NONNEGATIVE = {"type": "integer", "minimum": 0, "maximum": 2**62}
 NODE_REF = obj({"node_id": NODE_ID, "incarnation": INCARNATION})
-NODE_VIEW = obj({"address": STR, "shm_path": STR, "host_id": STR, "transports": arr(STR),
-                 "incarnation": INT})
-REGION = {"key": KEY, "node": STR, "offset": INT, "size": INT, "checksum": STR,
-          "grant": {"type": "string", "pattern": "^[0-9a-f]+$"}}
+NODE_VIEW = obj(
+    {"address": STR, "shm_path": STR, "host_id": STR, "transports": arr(STR), "incarnation": INT}
+)
+REGION = {
+    "key": KEY,
+    "node": STR,
+    "offset": INT,
+    "size": INT,
+    "checksum": STR,
+    "grant": {"type": "string", "pattern": "^[0-9a-f]+$"},
+}
 
 WAIT = {"type": "number", "minimum": 0, "maximum": 10}
 TIER_OP = {"enum": [op.value for op in TierOp]}
 # wire.orders.Order.to_json
-ORDER = obj({"op": TIER_OP, "key": KEY, "gen": INT, "node": STR,
-             "offset": INT, "size": INT, "extent": INT, "checksum": STR})
+ORDER = obj(
+    {
+        "op": TIER_OP,
+        "key": KEY,
+        "gen": INT,
+        "node": STR,
+        "offset": INT,
+        "size": INT,
+        "extent": INT,
+        "checksum": STR,
+    }
+)
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _op(summary: str, ok: dict[str, Any], body: dict[str, Any] | None = None,
-        errors: tuple[int, ...] = (400, 401, 413), extra: dict[int, str] | None = None) -> dict[str, Any]:
+def _op(
+    summary: str,
+    ok: dict[str, Any],
+    body: dict[str, Any] | None = None,
+    errors: tuple[int, ...] = (400, 401, 413),
+    extra: dict[int, str] | None = None,
+) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "responses": {"200": _json(ok, "OK")}}
     if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
@@ -71,37 +98,81 @@ def _op(summary: str, ok: dict[str, Any], body: dict[str, Any] | None = None,
 
 
 KEY_PARAM = [{"name": "key", "in": "path", "required": True, "schema": KEY}]
-EVENT = obj({"seq": INT, "id": INT, "time": NUM, "kind": {"enum": [k.value for k in Kind]},
-             "level": {"enum": ["info", "warning", "error"]}, "subject": STR, "message": STR,
-             "count": INT}, additional=True)
-PREFLIGHT = {"summary": "CORS preflight (the status page reads every shard)",
-             "responses": {"204": {"description": "allowed: GET with an Authorization header"}}}
+EVENT = obj(
+    {
+        "seq": INT,
+        "id": INT,
+        "time": NUM,
+        "kind": {"enum": [k.value for k in Kind]},
+        "level": {"enum": ["info", "warning", "error"]},
+        "subject": STR,
+        "message": STR,
+        "count": INT,
+    },
+    additional=True,
+)
+PREFLIGHT = {
+    "summary": "CORS preflight (the status page reads every shard)",
+    "responses": {"204": {"description": "allowed: GET with an Authorization header"}},
+}
 
 
 def _operator_paths() -> dict[str, Any]:
     """manager/ui.py: the status page, its events feed, drain, and CORS preflights."""
+
     def text(ctype: str, what: str) -> dict[str, Any]:
-        return {"summary": what, "security": [], "responses": {
-            "200": {"description": what, "content": {ctype: {"schema": STR}}},
-            "404": _json(ERROR, "no such file")}}
+        return {
+            "summary": what,
+            "security": [],
+            "responses": {
+                "200": {"description": what, "content": {ctype: {"schema": STR}}},
+                "404": _json(ERROR, "no such file"),
+            },
+        }
+
     int_param = {"type": "integer", "minimum": 0}
     return {
         "/": {"get": text("text/html", "the status page (its numbers need the token)")},
-        "/static/{name}": {"parameters": [{"name": "name", "in": "path", "required": True, "schema": STR}],
-                           "get": text("text/javascript", "the status page's script and stylesheet")},
+        "/static/{name}": {
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": STR}],
+            "get": text("text/javascript", "the status page's script and stylesheet"),
+        },
         # the query parameters belong to GET only: the path's CORS preflight takes none
-        "/v1/events": {"get": {
-            **_op("recent events after `since`, oldest first",
-                  obj({"events": arr(EVENT), "last_seq": INT}), errors=(400, 401)),
-            "parameters": [{"name": "since", "in": "query", "schema": int_param},
-                           {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1,
-                                                                       "maximum": EVENTS_CAPACITY}}]}},
+        "/v1/events": {
+            "get": {
+                **_op(
+                    "recent events after `since`, oldest first",
+                    obj({"events": arr(EVENT), "last_seq": INT}),
+                    errors=(400, 401),
+                ),
+                "parameters": [
+                    {"name": "since", "in": "query", "schema": int_param},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": EVENTS_CAPACITY},
+                    },
+                ],
+            }
+        },
         "/v1/nodes/{node_id}/drain": {
             "parameters": [{"name": "node_id", "in": "path", "required": True, "schema": STR}],
-            "post": _op("stop placing writes on a node and move its memory entries out",
-                        obj({"node": STR, "draining": {"type": "boolean"}, "keys_memory": INT,
-                             "offloads_pending": INT, "keys_disk": INT, "drained": {"type": "boolean"}}),
-                        errors=(401, 403), extra={404: "no such live node"})},
+            "post": _op(
+                "stop placing writes on a node and move its memory entries out",
+                obj(
+                    {
+                        "node": STR,
+                        "draining": {"type": "boolean"},
+                        "keys_memory": INT,
+                        "offloads_pending": INT,
+                        "keys_disk": INT,
+                        "drained": {"type": "boolean"},
+                    }
+                ),
+                errors=(401, 403),
+                extra={404: "no such live node"},
+            ),
+        },
     }
 
 
@@ -112,122 +183,328 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
         return {**arr(items, min_items), "maxItems": max_batch}
 
     size = {"type": "integer", "minimum": 1, "maximum": max_object_size}
-    key_view = obj({"key": KEY, "state": {"enum": ["writing", "ready"]},
-                    "tiers": arr({"enum": ["memory", "disk"]}), "node": STR, "size": INT,
-                    "checksum": {"oneOf": [CHECKSUM, {"type": "null"}]}, "readers": INT,
-                    "offloading": {"type": "boolean"}, "reloading": {"type": "boolean"},
-                    "created": NUM, "last_access": NUM})
-    node = obj({"id": STR, "address": STR, "state": {"enum": ["alive", "dead"]}, "incarnation": INT,
-                "transports": arr(STR), "memory_used": INT, "memory_capacity": INT,
-                "keys_memory": INT, "bytes_memory": INT, "disk_used": INT, "disk_capacity": INT,
-                "keys_disk": INT, "last_heartbeat": NUM,
-                "reported": {"type": "object", "additionalProperties": INT},
-                "draining": {"type": "boolean"}, "offloads_pending": INT})
+    key_view = obj(
+        {
+            "key": KEY,
+            "state": {"enum": ["writing", "ready"]},
+            "tiers": arr({"enum": ["memory", "disk"]}),
+            "node": STR,
+            "size": INT,
+            "checksum": {"oneOf": [CHECKSUM, {"type": "null"}]},
+            "readers": INT,
+            "offloading": {"type": "boolean"},
+            "reloading": {"type": "boolean"},
+            "created": NUM,
+            "last_access": NUM,
+        }
+    )
+    node = obj(
+        {
+            "id": STR,
+            "address": STR,
+            "state": {"enum": ["alive", "dead"]},
+            "incarnation": INT,
+            "transports": arr(STR),
+            "memory_used": INT,
+            "memory_capacity": INT,
+            "keys_memory": INT,
+            "bytes_memory": INT,
+            "disk_used": INT,
+            "disk_capacity": INT,
+            "keys_disk": INT,
+            "last_heartbeat": NUM,
+            "reported": {"type": "object", "additionalProperties": INT},
+            "draining": {"type": "boolean"},
+            "offloads_pending": INT,
+        }
+    )
     paths: dict[str, Any] = {
-        "/healthz": {"get": _op("liveness", obj({"status": {"enum": ["ok"]}, "nodes": INT,
-                                                  "keys_memory": INT,
-                                                  "metadata_store": {"enum": ["ok", "retrying"]},
-                                                  "shard": STR, "key_range": STR}),
-                                errors=())},
-        "/v1/stats": {"get": _op("counters and sizes (and, with tenants configured, each tenant's share)",
-                                 obj({k: INT for k in STATS_KEYS}, {"tenants": {
-                                     "type": "object", "description": "by tenant name; the admin sees all",
-                                     "additionalProperties": obj({k: INT for k in TenantStats.__slots__})}}),
-                                 errors=(401,))},
+        "/healthz": {
+            "get": _op(
+                "liveness",
+                obj(
+                    {
+                        "status": {"enum": ["ok"]},
+                        "nodes": INT,
+                        "keys_memory": INT,
+                        "metadata_store": {"enum": ["ok", "retrying"]},
+                        "shard": STR,
+                        "key_range": STR,
+                    }
+                ),
+                errors=(),
+            )
+        },
+        "/v1/stats": {
+            "get": _op(
+                "counters and sizes (and, with tenants configured, each tenant's share)",
+                obj(
+                    {k: INT for k in STATS_KEYS},
+                    {
+                        "tenants": {
+                            "type": "object",
+                            "description": "by tenant name; the admin sees all",
+                            "additionalProperties": obj({k: INT for k in TenantStats.__slots__}),
+                        }
+                    },
+                ),
+                errors=(401,),
+            )
+        },
         "/v1/nodes": {"get": _op("slab/disk nodes", obj({"nodes": arr(node)}), errors=(401,))},
         "/v1/keys/{key}": {
             "parameters": KEY_PARAM,
             "get": _op("where a key is", key_view, errors=(400, 401), extra={404: "no such key"}),
-            "delete": _op("drop a key everywhere", obj({"deleted": KEY}), errors=(400, 401, 403),
-                          extra={404: "no such key"}),
+            "delete": _op(
+                "drop a key everywhere",
+                obj({"deleted": KEY}),
+                errors=(400, 401, 403),
+                extra={404: "no such key"},
+            ),
         },
-        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
-            "200": {"description": "Prometheus text format",
-                    "content": {"text/plain": {"schema": STR}}},
-            "401": _json(ERROR, "missing or wrong token")}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text format",
+                        "content": {"text/plain": {"schema": STR}},
+                    },
+                    "401": _json(ERROR, "missing or wrong token"),
+                },
+            }
+        },
         "/openapi.json": {"get": _op("this document", {"type": "object"}, errors=(401,))},
-        "/v1/lookup": {"post": _op(
-            "longest ready prefix of keys, with read leases and READ grants",
-            obj({"hits": INT, "lease": NULLABLE_LEASE, "nodes": {"type": "object",
-                 "additionalProperties": NODE_VIEW},
-                 "entries": arr(obj({"key": KEY, "size": INT, "checksum": STR},
-                                    {k: v for k, v in REGION.items() if k not in ("key", "size", "checksum")}))}),
-            obj({"keys": batch(KEY, 1)}, {"lease": {"type": "boolean"}, "wait": WAIT}))},
-        "/v1/allocate": {"post": _op(
-            "first writer wins: allocate space and WRITE grants under one write lease",
-            obj({"lease": NULLABLE_LEASE, "nodes": {"type": "object", "additionalProperties": NODE_VIEW},
-                 "results": arr(obj({"key": KEY, "status": {
-                     "enum": ["allocated", "exists", "in_progress", "no_space"]}},
-                     {k: v for k, v in REGION.items() if k != "key"}))}),
-            obj({"items": batch(obj({"key": KEY, "size": size}), 1)},
-                {"wait": WAIT}))},
-        "/v1/commit": {"post": _op(
-            "write-finish: make written entries visible",
-            obj({"results": {"type": "object", "additionalProperties": {
-                "enum": ["committed", "lease_expired", "not_in_lease", "dropped"]}}}),
-            obj({"lease": LEASE, "items": batch(obj({"key": KEY, "checksum": CHECKSUM}), 1)}))},
-        "/v1/abort": {"post": _op(
-            "give up writes and free their space", obj({"aborted": INT}),
-            obj({"lease": LEASE}, {"keys": batch(KEY)}))},
-        "/v1/release": {"post": _op(
-            "end read leases early; report keys whose bytes failed their checksum",
-            obj({"released": INT}), obj({"leases": batch(LEASE, 1)}, {"corrupt": batch(KEY)}))},
-        "/v1/renew": {"post": _op(
-            "extend read or write leases", obj({"renewed": arr(LEASE)}), obj({"leases": batch(LEASE, 1)}))},
-        "/v1/nodes/register": {"post": _op(
-            "a slab joins (or rejoins) with its incarnation",
-            obj({"node_id": STR, "incarnation": INT, "heartbeat_ttl": NUM}, {"grant_key": STR}),
-            obj({"node_id": NODE_ID, "incarnation": INCARNATION,
-                 "address": {"type": "string", "pattern": "^.+:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3})$"},
-                 "capacity": {"type": "integer", "minimum": 1, "maximum": 2**50 - 1}},
-                {"shm_path": STR, "host_id": STR, "transports": arr({"enum": ["tcp", "shm", "rdma"]}, 1),
-                 "disk_capacity": {"type": "integer", "minimum": 0, "maximum": 2**62 - 1}}),
-            errors=(400, 401, 403),
-            extra={409: "the node id belongs to a live node under another incarnation"})},
-        "/v1/nodes/heartbeat": {"post": _op(
-            "a slab is alive (and reports its own counters)", obj({"ok": {"type": "boolean"}}),
-            obj({"node_id": NODE_ID, "incarnation": INCARNATION},
-                {"stats": {"type": "object", "maxProperties": 256, "propertyNames": {"maxLength": 64},
-                           "additionalProperties": {"type": "integer", "minimum": -2**62, "maximum": 2**62}}}),
-            errors=(400, 401, 403), extra={404: "unknown node or incarnation: register again"})},
-        "/v1/nodes/orders": {"post": _op(
-            "long poll of a node's disk role for offload/reload/delete orders",
-            obj({"orders": arr(ORDER)}),
-            obj({"node_id": NODE_ID, "incarnation": INCARNATION}, {"wait": WAIT}),
-            errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation: register again"})},
-        "/v1/nodes/done": {"post": _op(
-            "a disk role reports finished orders", obj({"ok": {"type": "boolean"}}),
-            obj({"node_id": NODE_ID, "incarnation": INCARNATION,
-                 "results": batch(obj({"op": TIER_OP, "key": KEY,
-                                     "gen": NONNEGATIVE, "ok": {"type": "boolean"}},
-                                    {"reason": {"type": "string", "maxLength": 64}, "file_bytes": NONNEGATIVE,
-                                     "seconds": {"type": "number", "minimum": 0}}), 1)}),
-            errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation: register again"})},
-        "/v1/nodes/adopt": {"post": _op(
-            "a restarted slab+disk reports the files it holds; they serve hits again",
-            obj({"adopted": INT, "delete": arr(KEY)}),
-            obj({"node_id": NODE_ID, "incarnation": INCARNATION,
-                 "files": batch(obj({"key": KEY, "size": size, "checksum": CHECKSUM,
-                                   "file_bytes": POSITIVE}))}),
-            errors=(400, 401, 403, 413), extra={404: "unknown node or incarnation, or no disk role"})},
-        "/v1/nodes/unregister": {"post": _op(
-            "a slab leaves; its entries are dropped", obj({"ok": {"type": "boolean"}}), NODE_REF,
-            errors=(400, 401, 403), extra={404: "unknown node or incarnation"})},
+        "/v1/lookup": {
+            "post": _op(
+                "longest ready prefix of keys, with read leases and READ grants",
+                obj(
+                    {
+                        "hits": INT,
+                        "lease": NULLABLE_LEASE,
+                        "nodes": {"type": "object", "additionalProperties": NODE_VIEW},
+                        "entries": arr(
+                            obj(
+                                {"key": KEY, "size": INT, "checksum": STR},
+                                {
+                                    k: v
+                                    for k, v in REGION.items()
+                                    if k not in ("key", "size", "checksum")
+                                },
+                            )
+                        ),
+                    }
+                ),
+                obj({"keys": batch(KEY, 1)}, {"lease": {"type": "boolean"}, "wait": WAIT}),
+            )
+        },
+        "/v1/allocate": {
+            "post": _op(
+                "first writer wins: allocate space and WRITE grants under one write lease",
+                obj(
+                    {
+                        "lease": NULLABLE_LEASE,
+                        "nodes": {"type": "object", "additionalProperties": NODE_VIEW},
+                        "results": arr(
+                            obj(
+                                {
+                                    "key": KEY,
+                                    "status": {
+                                        "enum": ["allocated", "exists", "in_progress", "no_space"]
+                                    },
+                                },
+                                {k: v for k, v in REGION.items() if k != "key"},
+                            )
+                        ),
+                    }
+                ),
+                obj({"items": batch(obj({"key": KEY, "size": size}), 1)}, {"wait": WAIT}),
+            )
+        },
+        "/v1/commit": {
+            "post": _op(
+                "write-finish: make written entries visible",
+                obj(
+                    {
+                        "results": {
+                            "type": "object",
+                            "additionalProperties": {
+                                "enum": ["committed", "lease_expired", "not_in_lease", "dropped"]
+                            },
+                        }
+                    }
+                ),
+                obj({"lease": LEASE, "items": batch(obj({"key": KEY, "checksum": CHECKSUM}), 1)}),
+            )
+        },
+        "/v1/abort": {
+            "post": _op(
+                "give up writes and free their space",
+                obj({"aborted": INT}),
+                obj({"lease": LEASE}, {"keys": batch(KEY)}),
+            )
+        },
+        "/v1/release": {
+            "post": _op(
+                "end read leases early; report keys whose bytes failed their checksum",
+                obj({"released": INT}),
+                obj({"leases": batch(LEASE, 1)}, {"corrupt": batch(KEY)}),
+            )
+        },
+        "/v1/renew": {
+            "post": _op(
+                "extend read or write leases",
+                obj({"renewed": arr(LEASE)}),
+                obj({"leases": batch(LEASE, 1)}),
+            )
+        },
+        "/v1/nodes/register": {
+            "post": _op(
+                "a slab joins (or rejoins) with its incarnation",
+                obj({"node_id": STR, "incarnation": INT, "heartbeat_ttl": NUM}, {"grant_key": STR}),
+                obj(
+                    {
+                        "node_id": NODE_ID,
+                        "incarnation": INCARNATION,
+                        "address": {
+                            "type": "string",
+                            "pattern": "^.+:([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3})$",
+                        },
+                        "capacity": {"type": "integer", "minimum": 1, "maximum": 2**50 - 1},
+                    },
+                    {
+                        "shm_path": STR,
+                        "host_id": STR,
+                        "transports": arr({"enum": ["tcp", "shm", "rdma"]}, 1),
+                        "disk_capacity": {"type": "integer", "minimum": 0, "maximum": 2**62 - 1},
+                    },
+                ),
+                errors=(400, 401, 403),
+                extra={409: "the node id belongs to a live node under another incarnation"},
+            )
+        },
+        "/v1/nodes/heartbeat": {
+            "post": _op(
+                "a slab is alive (and reports its own counters)",
+                obj({"ok": {"type": "boolean"}}),
+                obj(
+                    {"node_id": NODE_ID, "incarnation": INCARNATION},
+                    {
+                        "stats": {
+                            "type": "object",
+                            "maxProperties": 256,
+                            "propertyNames": {"maxLength": 64},
+                            "additionalProperties": {
+                                "type": "integer",
+                                "minimum": -(2**62),
+                                "maximum": 2**62,
+                            },
+                        }
+                    },
+                ),
+                errors=(400, 401, 403),
+                extra={404: "unknown node or incarnation: register again"},
+            )
+        },
+        "/v1/nodes/orders": {
+            "post": _op(
+                "long poll of a node's disk role for offload/reload/delete orders",
+                obj({"orders": arr(ORDER)}),
+                obj({"node_id": NODE_ID, "incarnation": INCARNATION}, {"wait": WAIT}),
+                errors=(400, 401, 403, 413),
+                extra={404: "unknown node or incarnation: register again"},
+            )
+        },
+        "/v1/nodes/done": {
+            "post": _op(
+                "a disk role reports finished orders",
+                obj({"ok": {"type": "boolean"}}),
+                obj(
+                    {
+                        "node_id": NODE_ID,
+                        "incarnation": INCARNATION,
+                        "results": batch(
+                            obj(
+                                {
+                                    "op": TIER_OP,
+                                    "key": KEY,
+                                    "gen": NONNEGATIVE,
+                                    "ok": {"type": "boolean"},
+                                },
+                                {
+                                    "reason": {"type": "string", "maxLength": 64},
+                                    "file_bytes": NONNEGATIVE,
+                                    "seconds": {"type": "number", "minimum": 0},
+                                },
+                            ),
+                            1,
+                        ),
+                    }
+                ),
+                errors=(400, 401, 403, 413),
+                extra={404: "unknown node or incarnation: register again"},
+            )
+        },
+        "/v1/nodes/adopt": {
+            "post": _op(
+                "a restarted slab+disk reports the files it holds; they serve hits again",
+                obj({"adopted": INT, "delete": arr(KEY)}),
+                obj(
+                    {
+                        "node_id": NODE_ID,
+                        "incarnation": INCARNATION,
+                        "files": batch(
+                            obj(
+                                {
+                                    "key": KEY,
+                                    "size": size,
+                                    "checksum": CHECKSUM,
+                                    "file_bytes": POSITIVE,
+                                }
+                            )
+                        ),
+                    }
+                ),
+                errors=(400, 401, 403, 413),
+                extra={404: "unknown node or incarnation, or no disk role"},
+            )
+        },
+        "/v1/nodes/unregister": {
+            "post": _op(
+                "a slab leaves; its entries are dropped",
+                obj({"ok": {"type": "boolean"}}),
+                NODE_REF,
+                errors=(400, 401, 403),
+                extra={404: "unknown node or incarnation"},
+            )
+        },
         **_operator_paths(),
     }
-    wrong_shard = _json(ERROR, "wrong_shard: a key outside this manager shard's range (manager/shard.py)")
-    for path, method in (("/v1/lookup", "post"), ("/v1/allocate", "post"), ("/v1/commit", "post"),
-                         ("/v1/abort", "post"), ("/v1/release", "post"), ("/v1/keys/{key}", "get"),
-                         ("/v1/keys/{key}", "delete"), ("/v1/nodes/adopt", "post")):
+    wrong_shard = _json(
+        ERROR, "wrong_shard: a key outside this manager shard's range (manager/shard.py)"
+    )
+    for path, method in (
+        ("/v1/lookup", "post"),
+        ("/v1/allocate", "post"),
+        ("/v1/commit", "post"),
+        ("/v1/abort", "post"),
+        ("/v1/release", "post"),
+        ("/v1/keys/{key}", "get"),
+        ("/v1/keys/{key}", "delete"),
+        ("/v1/nodes/adopt", "post"),
+    ):
         paths[path][method]["responses"]["421"] = wrong_shard
     for path in CORS_PATHS:
         paths[path]["options"] = PREFLIGHT
     return {
         "openapi": "3.0.3",
-        "info": {"title": "PolarKV manager", "version": __version__,
-                 "description": "Control and admin API of the PolarKV manager. KV bytes never pass "
-                                "through it: they move on the slab data plane under the grants "
-                                "handed out here."},
+        "info": {
+            "title": "PolarKV manager",
+            "version": __version__,
+            "description": "Control and admin API of the PolarKV manager. KV bytes never pass "
+            "through it: they move on the slab data plane under the grants "
+            "handed out here.",
+        },
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}, {}],
         "paths": paths,

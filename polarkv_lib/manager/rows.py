@@ -5,10 +5,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NODE_COLUMNS = ("node_id", "incarnation", "address", "capacity", "disk_capacity", "shm_path",
-                "host_id", "transports")
-ENTRY_COLUMNS = ("key", "node_id", "incarnation", "size", "checksum", "mem_offset", "mem_extent",
-                 "in_memory", "on_disk", "file_bytes", "created")
+NODE_COLUMNS = (
+    "node_id",
+    "incarnation",
+    "address",
+    "capacity",
+    "disk_capacity",
+    "shm_path",
+    "host_id",
+    "transports",
+)
+ENTRY_COLUMNS = (
+    "key",
+    "node_id",
+    "incarnation",
+    "size",
+    "checksum",
+    "mem_offset",
+    "mem_extent",
+    "in_memory",
+    "on_disk",
+    "file_bytes",
+    "created",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,11 @@ class ShardGuard:
             return
         for key in keys:
             if not self.shard.owns(key):
-                raise BadRequest(f"wrong_shard: key {key} is not in shard {self.shard} "
-                                 f"(keys {self.shard.describe()})", WRONG_SHARD_STATUS)
+                raise BadRequest(
+                    f"wrong_shard: key {key} is not in shard {self.shard} "
+                    f"(keys {self.shard.describe()})",
+                    WRONG_SHARD_STATUS,
+                )
 
     def arena(self, capacity: int) -> tuple[int, int]:
         """(offset, length) of this shard's part of a slab buffer of `capacity` bytes."""

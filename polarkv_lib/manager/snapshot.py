@@ -41,7 +41,9 @@ class Snapshots(Tables):
         if saved is None:
             return
         node_row, rows = saved
-        same_buffer = node_row.incarnation == node.incarnation and node_row.capacity == node.capacity
+        same_buffer = (
+            node_row.incarnation == node.incarnation and node_row.capacity == node.capacity
+        )
         node.restoring = True
         self.restore_jobs[node.node_id] = RestoreJob(node, same_buffer, rows)
         self.restore_step()
@@ -63,11 +65,11 @@ class Snapshots(Tables):
                 break
             end = min(job.done + budget, len(job.rows))
             if job.node.alive:
-                for row in job.rows[job.done:end]:
+                for row in job.rows[job.done : end]:
                     self._restore_row(job, row)
             else:  # died meanwhile: what is left goes, as its restored entries did
                 end = len(job.rows)
-                for row in job.rows[job.done:]:
+                for row in job.rows[job.done :]:
                     self.waiting_keys.discard(row.key)
                     self.dirty_keys.add(row.key)
             budget -= end - job.done
@@ -80,31 +82,73 @@ class Snapshots(Tables):
     def _restore_row(self, job: RestoreJob, row: EntryRow) -> None:
         node = job.node
         self.waiting_keys.discard(row.key)
-        self.dirty_keys.add(row.key)  # whatever is not restored is deleted from the store
+        was_dirty = row.key in self.dirty_keys  # changed meanwhile (e.g. written elsewhere)
         if self.get(row.key) is not None:
+            self.dirty_keys.add(row.key)  # the store gets the newer entry
             return
-        in_memory = (job.same_buffer and row.in_memory and row.incarnation == node.incarnation
-                     and node.allocator.reserve(row.mem_offset, row.mem_extent))
+        in_memory = (
+            job.same_buffer
+            and row.in_memory
+            and row.incarnation == node.incarnation
+            and node.allocator.reserve(row.mem_offset, row.mem_extent)
+        )
         on_disk = row.on_disk and node.has_disk
         if not in_memory and not on_disk:
+            self.dirty_keys.add(row.key)  # not restored: its row is deleted
             return
-        residency = (Residency.BOTH if in_memory and on_disk
-                     else Residency.MEMORY if in_memory else Residency.DISK)
-        entry = Entry(row.key, row.size, node, row.mem_offset if in_memory else 0,
-                      row.mem_extent if in_memory else 0, State.READY, row.created, row.created,
-                      gen=self._next_gen(), checksum=row.checksum, residency=residency)
-        self.table(row.key)[row.key] = entry
+        residency = (
+            Residency.BOTH
+            if in_memory and on_disk
+            else Residency.MEMORY
+            if in_memory
+            else Residency.DISK
+        )
+        entry = Entry(
+            row.key,
+            row.size,
+            node,
+            row.mem_offset if in_memory else 0,
+            row.mem_extent if in_memory else 0,
+            State.READY,
+            row.created,
+            row.created,
+            gen=self._next_gen(),
+            checksum=row.checksum,
+            residency=residency,
+        )
+        self.entries[row.key] = entry
         node.entries.add(row.key)
         if in_memory:
             self._lru_add(entry)
         if on_disk:
             self._file_added(entry, row.file_bytes)
+        exact = (
+            in_memory == row.in_memory
+            and on_disk == row.on_disk
+            and row.incarnation == node.incarnation
+        )
+        if exact and not was_dirty:
+            # Back exactly as persisted: its row stays as it is. Rewriting every restored
+            # row made the write-behind redo the whole table during a restore (1M rows:
+            # most of the restore's time, on the loop and in the store's thread).
+            self.dirty_keys.discard(row.key)
 
     def take_changes(self) -> Batch:
         """The current state of everything changed since the last call."""
-        nodes = [NodeRow(n.node_id, n.incarnation, n.address, n.capacity, n.disk_capacity, n.shm_path,
-                         n.host_id, ",".join(n.transports))
-                 for n in (self.nodes.get(i) for i in self.dirty_nodes) if n is not None]
+        nodes = [
+            NodeRow(
+                n.node_id,
+                n.incarnation,
+                n.address,
+                n.capacity,
+                n.disk_capacity,
+                n.shm_path,
+                n.host_id,
+                ",".join(n.transports),
+            )
+            for n in (self.nodes.get(i) for i in self.dirty_nodes)
+            if n is not None
+        ]
         entries, deleted = [], []
         for key in self.dirty_keys:
             entry = self.get(key)
@@ -113,10 +157,21 @@ class Snapshots(Tables):
                     deleted.append(key)
                 continue
             in_memory = entry.in_memory and entry.alloc_size > 0
-            entries.append(EntryRow(key, entry.node.node_id, entry.node.incarnation, entry.size,
-                                    entry.checksum, entry.offset if in_memory else 0,
-                                    entry.alloc_size if in_memory else 0, in_memory, entry.on_disk,
-                                    entry.file_bytes, entry.created))
+            entries.append(
+                EntryRow(
+                    key,
+                    entry.node.node_id,
+                    entry.node.incarnation,
+                    entry.size,
+                    entry.checksum,
+                    entry.offset if in_memory else 0,
+                    entry.alloc_size if in_memory else 0,
+                    in_memory,
+                    entry.on_disk,
+                    entry.file_bytes,
+                    entry.created,
+                )
+            )
         self.dirty_keys.clear()
         self.dirty_nodes.clear()
         return Batch(nodes, entries, deleted)
@@ -128,8 +183,15 @@ class Snapshots(Tables):
         self.dirty_keys.update(batch.deleted_keys)
 
 
-def synthetic_rows(node: NodeRow, count: int, size: int, *, in_memory: bool = True,
-                   on_disk: bool = False, checksum: str = "0123456789abcdef") -> list[EntryRow]:
+def synthetic_rows(
+    node: NodeRow,
+    count: int,
+    size: int,
+    *,
+    in_memory: bool = True,
+    on_disk: bool = False,
+    checksum: str = "0123456789abcdef",
+) -> list[EntryRow]:
     """`count` ready entries of `size` bytes packed from offset 0 of `node`'s buffer (or
     files only), as a previous manager would have persisted them: restoring these is
     the quick way to fill a core for benchmarks and scale tests."""
@@ -137,7 +199,19 @@ def synthetic_rows(node: NodeRow, count: int, size: int, *, in_memory: bool = Tr
     if extent * count > node.capacity:
         raise ValueError(f"{count} entries of {size} bytes do not fit in {node.capacity} bytes")
     file_bytes = file_bytes_bound(size) if on_disk else 0
-    return [EntryRow(hashlib.blake2b(f"{node.node_id}/{i}".encode(), digest_size=16).hexdigest(),
-                     node.node_id, node.incarnation, size, checksum, i * extent, extent, in_memory,
-                     on_disk, file_bytes, 0.0)
-            for i in range(count)]
+    return [
+        EntryRow(
+            hashlib.blake2b(f"{node.node_id}/{i}".encode(), digest_size=16).hexdigest(),
+            node.node_id,
+            node.incarnation,
+            size,
+            checksum,
+            i * extent,
+            extent,
+            in_memory,
+            on_disk,
+            file_bytes,
+            0.0,
+        )
+        for i in range(count)
+    ]

@@ -38,8 +38,10 @@ _SCHEMA = [
 def _upsert(table: str, columns: tuple[str, ...], placeholder: str) -> str:
     marks = ", ".join(placeholder.format(i + 1) for i in range(len(columns)))
     updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
-    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks}) "
-            f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates}")
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks}) "
+        f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates}"
+    )
 
 
 class MetadataStore(ABC):
@@ -56,8 +58,7 @@ class MetadataStore(ABC):
         """Apply one batch atomically. Raises on failure (the caller retries)."""
 
     @abstractmethod
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...
 
 
 class SqliteStore(MetadataStore):
@@ -84,14 +85,20 @@ class SqliteStore(MetadataStore):
         try:
             await self._run(self._open)
         except (OSError, sqlite3.Error) as exc:
-            raise ConfigError(f"manager.metadata_url: cannot open sqlite {self.path}: {exc}") from None
+            raise ConfigError(
+                f"manager.metadata_url: cannot open sqlite {self.path}: {exc}"
+            ) from None
 
     def _load(self) -> tuple[list[NodeRow], list[EntryRow]]:
         assert self._db is not None
-        nodes = [NodeRow(*row) for row in self._db.execute(
-            f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")]
-        entries = [EntryRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), bool(r[8]), r[9], r[10])
-                   for r in self._db.execute(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")]
+        nodes = [
+            NodeRow(*row)
+            for row in self._db.execute(f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")
+        ]
+        entries = [
+            EntryRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), bool(r[8]), r[9], r[10])
+            for r in self._db.execute(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")
+        ]
         return nodes, entries
 
     async def load(self) -> tuple[list[NodeRow], list[EntryRow]]:
@@ -103,11 +110,17 @@ class SqliteStore(MetadataStore):
         db = self._db
         db.execute("BEGIN")
         try:
-            db.executemany(_upsert("polarkv_nodes", NODE_COLUMNS, "?"),
-                           [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes])
-            db.executemany(_upsert("polarkv_entries", ENTRY_COLUMNS, "?"),
-                           [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries])
-            db.executemany("DELETE FROM polarkv_entries WHERE key = ?", [(k,) for k in batch.deleted_keys])
+            db.executemany(
+                _upsert("polarkv_nodes", NODE_COLUMNS, "?"),
+                [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
+            )
+            db.executemany(
+                _upsert("polarkv_entries", ENTRY_COLUMNS, "?"),
+                [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
+            )
+            db.executemany(
+                "DELETE FROM polarkv_entries WHERE key = ?", [(k,) for k in batch.deleted_keys]
+            )
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -131,11 +144,13 @@ class PostgresStore(MetadataStore):
         try:
             import asyncpg
         except ImportError:
-            raise ConfigError("manager.metadata_url: postgresql needs asyncpg "
-                              "(pip install 'polarkv[postgres]')") from None
+            raise ConfigError(
+                "manager.metadata_url: postgresql needs asyncpg (pip install 'polarkv[postgres]')"
+            ) from None
         try:
-            self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=2, timeout=5,
-                                                   command_timeout=10)
+            self._pool = await asyncpg.create_pool(
+                self.dsn, min_size=1, max_size=2, timeout=5, command_timeout=10
+            )
             async with self._pool.acquire() as conn:
                 schema = _search_path_schema(self.dsn)
                 if schema:  # e.g. one schema per manager shard in one database
@@ -147,23 +162,32 @@ class PostgresStore(MetadataStore):
 
     async def load(self) -> tuple[list[NodeRow], list[EntryRow]]:
         async with self._pool.acquire() as conn:
-            nodes = [NodeRow(*r) for r in await conn.fetch(
-                f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")]
-            entries = [EntryRow(*r) for r in await conn.fetch(
-                f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")]
+            nodes = [
+                NodeRow(*r)
+                for r in await conn.fetch(f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")
+            ]
+            entries = [
+                EntryRow(*r)
+                for r in await conn.fetch(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")
+            ]
         return nodes, entries
 
     async def write(self, batch: Batch) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             if batch.nodes:
-                await conn.executemany(_upsert("polarkv_nodes", NODE_COLUMNS, "${}"),
-                                       [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes])
+                await conn.executemany(
+                    _upsert("polarkv_nodes", NODE_COLUMNS, "${}"),
+                    [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
+                )
             if batch.entries:
-                await conn.executemany(_upsert("polarkv_entries", ENTRY_COLUMNS, "${}"),
-                                       [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries])
+                await conn.executemany(
+                    _upsert("polarkv_entries", ENTRY_COLUMNS, "${}"),
+                    [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
+                )
             if batch.deleted_keys:
-                await conn.execute("DELETE FROM polarkv_entries WHERE key = ANY($1::text[])",
-                                   batch.deleted_keys)
+                await conn.execute(
+                    "DELETE FROM polarkv_entries WHERE key = ANY($1::text[])", batch.deleted_keys
+                )
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -179,13 +203,15 @@ def _search_path_schema(dsn: str) -> str:
     values = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query).get("search_path", [])
     schema = values[0].split(",")[0].strip() if values else ""
     if schema and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
-        raise ConfigError(f"manager.metadata_url: search_path {schema!r} is not a plain schema name")
+        raise ConfigError(
+            f"manager.metadata_url: search_path {schema!r} is not a plain schema name"
+        )
     return schema
 
 
 def open_store(url: str) -> MetadataStore:
     if url.startswith("sqlite:///"):
-        return SqliteStore(url[len("sqlite:///"):] or "polarkv-meta.db")
+        return SqliteStore(url[len("sqlite:///") :] or "polarkv-meta.db")
     if url.startswith(("postgresql://", "postgres://")):
         return PostgresStore(url)
     raise ConfigError(f"manager.metadata_url: unsupported store {url!r}")

@@ -2,8 +2,8 @@
 finding entries, dropping them, moving them in and out of the per-node LRUs, freeing
 their memory extents and queuing file deletions.
 
-Tables: entries live in `partitions` hash tables split by key range (the first 32 bits
-of the key pick the partition), so a later manager can shard by handing out ranges.
+Tables: one hash table of entries per manager process (`entries`); scaling out is done
+across processes, each owning a range of keys (manager/shard.py).
 
 Per-node LRUs, one per tier. A batch of chunk keys is one prompt's prefix, in order; the
 batch is touched back to front, so a prompt's first chunk is its most recently used one.
@@ -39,11 +39,19 @@ from polarkv_lib.wire.orders import Order, TierOp, file_bytes_bound
 
 
 class Tables:
-    def __init__(self, partitions: int, read_lease: float, write_lease: float, heartbeat_ttl: float,
-                 clock: Callable[[], float] = time.monotonic, memory_high: float = 0.90,
-                 memory_low: float = 0.80, disk_high: float = 0.95,
-                 rng: random.Random | None = None, wall: Callable[[], float] = time.time) -> None:
-        self.partitions: list[dict[str, Entry]] = [{} for _ in range(partitions)]
+    def __init__(
+        self,
+        read_lease: float,
+        write_lease: float,
+        heartbeat_ttl: float,
+        clock: Callable[[], float] = time.monotonic,
+        memory_high: float = 0.90,
+        memory_low: float = 0.80,
+        disk_high: float = 0.95,
+        rng: random.Random | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.entries: dict[str, Entry] = {}
         self.read_lease_ttl = read_lease
         self.write_lease_ttl = write_lease
         self.heartbeat_ttl = heartbeat_ttl
@@ -77,11 +85,8 @@ class Tables:
 
     # -- tables -------------------------------------------------------------------------
 
-    def table(self, key: str) -> dict[str, Entry]:
-        return self.partitions[int(key[:8], 16) * len(self.partitions) >> 32]
-
     def get(self, key: str) -> Entry | None:
-        return self.table(key).get(key)
+        return self.entries.get(key)
 
     def tenant(self, name: str) -> TenantStats:
         stats = self.tenant_stats.get(name)
@@ -157,7 +162,7 @@ class Tables:
             return
         entry.dropped = True
         self.dirty_keys.add(entry.key)
-        self.table(entry.key).pop(entry.key, None)
+        self.entries.pop(entry.key, None)
         node = entry.node
         node.entries.discard(entry.key)
         self._forget_memory(entry)
@@ -226,5 +231,13 @@ class Tables:
 
     @staticmethod
     def _order(op: TierOp, entry: Entry) -> Order:
-        return Order(op, entry.key, entry.gen, entry.node.node_id, entry.offset, entry.size,
-                     entry.alloc_size, entry.checksum)
+        return Order(
+            op,
+            entry.key,
+            entry.gen,
+            entry.node.node_id,
+            entry.offset,
+            entry.size,
+            entry.alloc_size,
+            entry.checksum,
+        )

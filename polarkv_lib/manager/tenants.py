@@ -30,8 +30,10 @@ def parse_tenants(entries: Iterable[str]) -> dict[str, str]:
     for entry in entries:
         name, sep, token = entry.partition(":")
         if not sep or not _NAME.fullmatch(name):
-            raise ValueError(f"{entry.split(':')[0]!r}: each entry is name:token, the name up to "
-                             "64 letters, digits, '.', '_' or '-'")
+            raise ValueError(
+                f"{entry.split(':')[0]!r}: each entry is name:token, the name up to "
+                "64 letters, digits, '.', '_' or '-'"
+            )
         if len(token) < 8:
             raise ValueError(f"tenant {name!r}: its token must be at least 8 characters")
         if name in names or token in out:
@@ -41,7 +43,9 @@ def parse_tenants(entries: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def parse_quotas(entries: Iterable[str], tenants: Iterable[str], size: Callable[[str], int]) -> dict[str, int]:
+def parse_quotas(
+    entries: Iterable[str], tenants: Iterable[str], size: Callable[[str], int]
+) -> dict[str, int]:
     """`name:size` pairs -> {tenant: bytes}. Raises ValueError saying which entry is wrong."""
     known = set(tenants)
     out: dict[str, int] = {}
@@ -57,7 +61,7 @@ def parse_quotas(entries: Iterable[str], tenants: Iterable[str], size: Callable[
 
 def scoped_key(tenant: str, key: str) -> str:
     """The key the manager files a tenant's entry under (a 32-hex key like any other, so
-    tables, partitions, persisted rows and disk files need no change)."""
+    tables, shards, persisted rows and disk files need no change)."""
     if tenant == DEFAULT:
         return key
     return hashlib.blake2b(f"{tenant}\0{key}".encode(), digest_size=16).hexdigest()

@@ -40,8 +40,11 @@ class Tiering(Tables):
         writes but not all of them (it would become every reader's hot spot). If none
         has a free extent, make room on the emptiest one that can (drop clean memory
         copies; evict on nodes without a disk)."""
-        nodes = sorted((n for n in self.nodes.values() if n.alive and not n.restoring),
-                       key=lambda n: n.allocator.free, reverse=True)
+        nodes = sorted(
+            (n for n in self.nodes.values() if n.alive and not n.restoring),
+            key=lambda n: n.allocator.free,
+            reverse=True,
+        )
         need = size_class(size)
         fits = [n for n in nodes if n.allocator.used + need <= self._memory_limit(n)]
         while fits:
@@ -70,8 +73,9 @@ class Tiering(Tables):
         cap = node.allocator.capacity
         return int(cap * self.memory_high) if node.has_disk else cap
 
-    def _alloc_on(self, node: Node, size: int, protected: set[str], make_room: bool = True
-                  ) -> tuple[int, int] | None:
+    def _alloc_on(
+        self, node: Node, size: int, protected: set[str], make_room: bool = True
+    ) -> tuple[int, int] | None:
         need = size_class(size)
         limit = self._memory_limit(node)
         if node.allocator.used + need <= limit:
@@ -90,8 +94,9 @@ class Tiering(Tables):
             if entry.readers == 0 and not entry.offloading and entry.key not in protected:
                 yield entry
 
-    def _make_room(self, node: Node, size: int, need: int, limit: int, protected: set[str]
-                   ) -> tuple[int, int] | None:
+    def _make_room(
+        self, node: Node, size: int, need: int, limit: int, protected: set[str]
+    ) -> tuple[int, int] | None:
         """Free memory on `node` until `size` fits: memory copies that also have a file
         (free to drop), or, on nodes without a disk, the LRU entries themselves. Gives up
         without touching anything if even that could not make it fit."""
@@ -141,8 +146,14 @@ class Tiering(Tables):
             return False
         lru = self.tenant_lru.setdefault(tenant, OrderedDict())
         while mine.bytes_memory + pending + size > quota:
-            victim = next((e for e in lru.values() if e.readers == 0 and not e.offloading
-                           and e.key not in protected), None)
+            victim = next(
+                (
+                    e
+                    for e in lru.values()
+                    if e.readers == 0 and not e.offloading and e.key not in protected
+                ),
+                None,
+            )
             if victim is None:
                 return False
             self._let_go(victim.node, victim)
@@ -205,8 +216,9 @@ class Tiering(Tables):
     def room_coming(self) -> bool:
         """Plan tiering; True if some node is making room (offloads queued or running)."""
         self.plan_tiering()
-        return any(n.alive and n.has_disk and (n.offloading_bytes or n.orders)
-                   for n in self.nodes.values())
+        return any(
+            n.alive and n.has_disk and (n.offloading_bytes or n.orders) for n in self.nodes.values()
+        )
 
     def _plan_offload(self, node: Node) -> None:
         limit = self._memory_limit(node)
@@ -277,15 +289,20 @@ class Tiering(Tables):
         name = f"{op}_{reason}"
         self.counters.tier_failures[name] = self.counters.tier_failures.get(name, 0) + 1
 
-    def offload_done(self, node_id: str, key: str, gen: int, ok: bool, reason: str = "",
-                     file_bytes: int = 0) -> None:
+    def offload_done(
+        self, node_id: str, key: str, gen: int, ok: bool, reason: str = "", file_bytes: int = 0
+    ) -> None:
         node = self.nodes.get(node_id)
         if node is None or not node.alive:
             return
         entry = node.offloads.get(gen)
         if entry is None or entry.key != key:
             current = self.get(key)
-            keeps_file = current is not None and current.node is node and (current.on_disk or current.offloading)
+            keeps_file = (
+                current is not None
+                and current.node is node
+                and (current.on_disk or current.offloading)
+            )
             if ok and not keeps_file:  # deleted meanwhile: the file goes too
                 node.orders.append(Order(TierOp.DELETE, key, gen, node.node_id))
             return
@@ -348,7 +365,9 @@ class Tiering(Tables):
         """Gens of the reloads still running (a waiting lookup for any other is done)."""
         return {gen for node in self.nodes.values() for gen in node.reloads}
 
-    def adopt(self, node_id: str, incarnation: int, files: list[tuple[str, int, str, int]]) -> list[str] | None:
+    def adopt(
+        self, node_id: str, incarnation: int, files: list[tuple[str, int, str, int]]
+    ) -> list[str] | None:
         """A slab with a disk reports the files it holds (key, size, checksum, file bytes).
         Unknown keys become disk-only entries again; files the manager has better
         copies of are to be deleted (returned). None: unknown node."""
@@ -361,17 +380,32 @@ class Tiering(Tables):
             self.dirty_keys.add(key)
             entry = self.get(key)
             if entry is not None:
-                if (entry.node is node and entry.state is State.READY
-                        and entry.residency is Residency.MEMORY and entry.checksum == checksum):
+                if (
+                    entry.node is node
+                    and entry.state is State.READY
+                    and entry.residency is Residency.MEMORY
+                    and entry.checksum == checksum
+                ):
                     entry.residency = Residency.BOTH
                     self._file_added(entry, file_bytes)
                     self._clean_add(entry)
                 elif not (entry.node is node and entry.on_disk):
                     delete.append(key)
                 continue
-            entry = Entry(key, size, node, 0, 0, State.READY, wall, wall, gen=self._next_gen(),
-                          checksum=checksum, residency=Residency.DISK)
-            self.table(key)[key] = entry
+            entry = Entry(
+                key,
+                size,
+                node,
+                0,
+                0,
+                State.READY,
+                wall,
+                wall,
+                gen=self._next_gen(),
+                checksum=checksum,
+                residency=Residency.DISK,
+            )
+            self.entries[key] = entry
             node.entries.add(key)
             self._file_added(entry, file_bytes)
         return delete

@@ -28,8 +28,12 @@ log = structlog.get_logger("polarkv.manager")
 
 CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 CORS_PATHS = frozenset({"/healthz", "/v1/stats", "/v1/nodes", "/v1/events"})
-CORS_HEADERS = {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods": "GET",
-                "Access-Control-Allow-Headers": "Authorization", "Access-Control-Max-Age": "600"}
+CORS_HEADERS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Allow-Methods": "GET",
+    "Access-Control-Allow-Headers": "Authorization",
+    "Access-Control-Max-Age": "600",
+}
 
 
 def _load_static() -> dict[str, tuple[bytes, str]]:
@@ -45,7 +49,9 @@ def _load_static() -> dict[str, tuple[bytes, str]]:
 def is_public(request: web.Request) -> bool:
     """Requests that need no token: the page's own files and CORS preflights."""
     return (request.method == "OPTIONS" and request.path in CORS_PATHS) or (
-        request.method in ("GET", "HEAD") and (request.path == "/" or request.path.startswith("/static/")))
+        request.method in ("GET", "HEAD")
+        and (request.path == "/" or request.path.startswith("/static/"))
+    )
 
 
 class OperatorRoutes:
@@ -71,8 +77,12 @@ class OperatorRoutes:
             raise web.HTTPNotFound(text="no such file")
         body, ctype = found
         # no-cache: a new version of the manager serves its own page at once
-        return web.Response(body=body, content_type=ctype, charset="utf-8",
-                            headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
+        return web.Response(
+            body=body,
+            content_type=ctype,
+            charset="utf-8",
+            headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"},
+        )
 
     async def index(self, request: web.Request) -> web.Response:
         return self._file("index.html")

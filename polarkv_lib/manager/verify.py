@@ -44,7 +44,9 @@ async def read_region(address: str, grant: bytes, size: int) -> bytes | None:
             reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
             try:
                 writer.write(frames.encode_request(Op.READ, grant))
-                status, length = frames.decode_response(await reader.readexactly(frames.RESPONSE_SIZE))
+                status, length = frames.decode_response(
+                    await reader.readexactly(frames.RESPONSE_SIZE)
+                )
                 if status is not frames.Status.OK or length != size:
                     return None
                 return await reader.readexactly(length)
@@ -59,7 +61,9 @@ async def read_region(address: str, grant: bytes, size: int) -> bytes | None:
 async def bytes_are_bad(region: Region, key: bytes, expires_ms: int) -> bool | None:
     """True: the slab's bytes do not match the committed checksum; False: they do; None:
     they could not be read."""
-    grant = sign(Grant(Op.READ, region.incarnation, region.offset, region.size, expires_ms, region.gen), key)
+    grant = sign(
+        Grant(Op.READ, region.incarnation, region.offset, region.size, expires_ms, region.gen), key
+    )
     data = await read_region(region.address, grant, region.size)
     if data is None:
         return None

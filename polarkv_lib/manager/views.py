@@ -12,13 +12,44 @@ from polarkv_lib.manager.model import TenantStats
 from polarkv_lib.manager.tables import Tables
 
 STATS_KEYS = (
-    "keys_memory", "keys_disk", "keys_writing", "bytes_memory", "bytes_memory_allocated",
-    "bytes_disk", "capacity_memory", "capacity_disk", "hits", "misses", "hits_memory",
-    "hits_disk", "lookups", "allocations", "alloc_exists", "alloc_in_progress", "alloc_no_space",
-    "commits", "aborts", "offloads", "offload_bytes", "bytes_offloading", "reloads", "reload_bytes",
-    "evictions", "disk_evictions", "tier_failures", "expired_write_leases",
-    "expired_read_leases", "checksum_failures", "corrupt_reports", "corrupt_reports_rejected", "deletes", "entries_lost", "read_leases",
-    "write_leases", "nodes", "nodes_dead",
+    "keys_memory",
+    "keys_disk",
+    "keys_writing",
+    "bytes_memory",
+    "bytes_memory_allocated",
+    "bytes_disk",
+    "capacity_memory",
+    "capacity_disk",
+    "hits",
+    "misses",
+    "hits_memory",
+    "hits_disk",
+    "lookups",
+    "allocations",
+    "alloc_exists",
+    "alloc_in_progress",
+    "alloc_no_space",
+    "commits",
+    "aborts",
+    "offloads",
+    "offload_bytes",
+    "bytes_offloading",
+    "reloads",
+    "reload_bytes",
+    "evictions",
+    "disk_evictions",
+    "tier_failures",
+    "expired_write_leases",
+    "expired_read_leases",
+    "checksum_failures",
+    "corrupt_reports",
+    "corrupt_reports_rejected",
+    "deletes",
+    "entries_lost",
+    "read_leases",
+    "write_leases",
+    "nodes",
+    "nodes_dead",
 )
 
 
@@ -27,7 +58,9 @@ class Views(Tables):
         entry = self.get(key)
         if entry is None:
             return None
-        tiers = (["memory"] if entry.in_memory and entry.alloc_size else []) + (["disk"] if entry.on_disk else [])
+        tiers = (["memory"] if entry.in_memory and entry.alloc_size else []) + (
+            ["disk"] if entry.on_disk else []
+        )
         return {
             "key": key,
             "state": entry.state.value,
@@ -43,30 +76,35 @@ class Views(Tables):
         }
 
     def node_views(self) -> list[dict[str, Any]]:
-        return [{
-            "id": n.node_id,
-            "address": n.address,
-            "state": "alive" if n.alive else "dead",
-            "incarnation": n.incarnation,
-            "transports": n.transports,
-            "memory_used": n.allocator.used if n.alive else 0,
-            "memory_capacity": n.capacity,
-            "keys_memory": len(n.lru),
-            "bytes_memory": n.ready_bytes,
-            "disk_used": n.disk_used,
-            "disk_capacity": n.disk_capacity,
-            "keys_disk": len(n.disk_lru),
-            "last_heartbeat": n.last_heartbeat_wall,
-            "reported": n.reported,
-            "draining": n.draining,
-            "offloads_pending": len(n.offloads),
-        } for n in self.nodes.values()]
+        return [
+            {
+                "id": n.node_id,
+                "address": n.address,
+                "state": "alive" if n.alive else "dead",
+                "incarnation": n.incarnation,
+                "transports": n.transports,
+                "memory_used": n.allocator.used if n.alive else 0,
+                "memory_capacity": n.capacity,
+                "keys_memory": len(n.lru),
+                "bytes_memory": n.ready_bytes,
+                "disk_used": n.disk_used,
+                "disk_capacity": n.disk_capacity,
+                "keys_disk": len(n.disk_lru),
+                "last_heartbeat": n.last_heartbeat_wall,
+                "reported": n.reported,
+                "draining": n.draining,
+                "offloads_pending": len(n.offloads),
+            }
+            for n in self.nodes.values()
+        ]
 
     def tenant_views(self) -> dict[str, dict[str, int]]:
         """Per tenant (by name; "default" for the default namespace): its counters and
         the memory its ready entries take."""
-        return {name or "default": {f: getattr(t, f) for f in TenantStats.__slots__}
-                for name, t in sorted(self.tenant_stats.items())}
+        return {
+            name or "default": {f: getattr(t, f) for f in TenantStats.__slots__}
+            for name, t in sorted(self.tenant_stats.items())
+        }
 
     def tier_failures(self) -> dict[str, int]:
         return dict(self.counters.tier_failures)

@@ -28,6 +28,7 @@ from polarkv_lib.errors import ConfigError
 from polarkv_lib.errors import DiskFailure as DiskFailure  # re-exported: callers meet it here
 from polarkv_lib.errors import Failure as Failure
 from polarkv_lib.keys import is_valid_key
+from polarkv_lib.tools.progress import progress
 from polarkv_lib.transport.sockio import pread_into, pwrite_all
 from polarkv_lib.wire.orders import FILE_ALIGN as ALIGN
 from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE  # the manager books with these
@@ -114,32 +115,38 @@ class DiskStore:
         """Find the files a previous process left; keep those whose header verifies and
         whose length matches, delete the rest (temporaries, foreign or broken files)."""
         found: list[FileInfo] = []
-        for path in self._walk():
-            name = os.path.basename(path)
-            if name.startswith(".polarkv"):
-                continue
-            try:
-                if not is_valid_key(name) or self.path_for(name) != path:
-                    raise DiskFailure(Failure.BAD_HEADER, "not a key file in its place")
-                with open(path, "rb") as fh:
-                    info = decode_header(fh.read(HEADER_SIZE))
-                    actual = os.fstat(fh.fileno()).st_size
-                if info.key != name:
-                    raise DiskFailure(Failure.BAD_HEADER, "header names another key")
-                if actual < HEADER_SIZE + info.size:
-                    raise DiskFailure(Failure.TRUNCATED, "file shorter than its header says")
-            except (OSError, DiskFailure):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-                continue
-            info = FileInfo(info.key, info.size, info.checksum, actual)
-            found.append(info)
+        # A node with millions of files takes a while here: show it (total unknown).
+        with progress(None, "disk scan", "files", log_lines=True) as bar:
+            for path in self._walk():
+                bar.update(1)
+                self._check_file(path, found)
         with self._lock:
             self.files = {f.key: f for f in found}
             self.used = sum(f.file_bytes for f in found)
         return found
+
+    def _check_file(self, path: str, found: list[FileInfo]) -> None:
+        """Keep one file found by the scan if it verifies; delete it otherwise."""
+        name = os.path.basename(path)
+        if name.startswith(".polarkv"):
+            return
+        try:
+            if not is_valid_key(name) or self.path_for(name) != path:
+                raise DiskFailure(Failure.BAD_HEADER, "not a key file in its place")
+            with open(path, "rb") as fh:
+                info = decode_header(fh.read(HEADER_SIZE))
+                actual = os.fstat(fh.fileno()).st_size
+            if info.key != name:
+                raise DiskFailure(Failure.BAD_HEADER, "header names another key")
+            if actual < HEADER_SIZE + info.size:
+                raise DiskFailure(Failure.TRUNCATED, "file shorter than its header says")
+        except (OSError, DiskFailure):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return
+        found.append(FileInfo(info.key, info.size, info.checksum, actual))
 
     # -- operations (blocking; run in a thread pool) -------------------------------------
 
@@ -176,7 +183,9 @@ class DiskStore:
                 os.unlink(tmp)
             except OSError:
                 pass
-            reason = Failure.DISK_FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else Failure.IO_ERROR
+            reason = (
+                Failure.DISK_FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else Failure.IO_ERROR
+            )
             raise DiskFailure(reason, f"{path}: {exc.strerror}") from None
         with self._lock:
             if old is not None:
@@ -262,6 +271,13 @@ class DiskStore:
     def stats(self) -> dict[str, int]:
         with self._lock:
             c = self.counters
-            return {"disk_files": len(self.files), "disk_used": self.used, "disk_capacity": self.capacity,
-                    "offloads": c.offloads, "offload_bytes": c.offload_bytes, "reloads": c.reloads,
-                    "reload_bytes": c.reload_bytes, "disk_deletes": c.deletes}
+            return {
+                "disk_files": len(self.files),
+                "disk_used": self.used,
+                "disk_capacity": self.capacity,
+                "offloads": c.offloads,
+                "offload_bytes": c.offload_bytes,
+                "reloads": c.reloads,
+                "reload_bytes": c.reload_bytes,
+                "disk_deletes": c.deletes,
+            }

@@ -32,13 +32,21 @@ class Fence:
     def __init__(self, size: int) -> None:
         self._owner = array("Q", [0]) * -(-size // PAGE)
         self._cond = threading.Condition()
-        self._active: dict[int, tuple[int, int, int, Callable[[], None]]] = {}  # first, end, gen, abort
+        self._active: dict[
+            int, tuple[int, int, int, Callable[[], None]]
+        ] = {}  # first, end, gen, abort
         self._tokens = itertools.count()
         self.refused = 0  # grants refused because a newer generation owns their space
         self.aborted = 0  # uses cut off because a newer generation claimed their space
 
-    def enter(self, offset: int, length: int, gen: int, claim: bool,
-              abort: Callable[[], None] = lambda: None) -> int:
+    def enter(
+        self,
+        offset: int,
+        length: int,
+        gen: int,
+        claim: bool,
+        abort: Callable[[], None] = lambda: None,
+    ) -> int:
         """Admit one use of [offset, offset+length) under generation `gen`; `claim` for
         writes. Returns a token for `leave`. Raises AccessDenied if a newer generation
         owns any of the pages. `abort` cuts this use short (e.g. shuts its socket down)
@@ -59,7 +67,9 @@ class Fence:
         deadline = time.monotonic() + ABORT_WAIT
         aborted: set[int] = set()
         while True:
-            older = [t for t, (f, e, g, _) in self._active.items() if f < end and first < e and g < gen]
+            older = [
+                t for t, (f, e, g, _) in self._active.items() if f < end and first < e and g < gen
+            ]
             if not older:
                 return
             for token in older:

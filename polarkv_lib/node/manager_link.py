@@ -67,8 +67,13 @@ class ManagerLink:
         slab = self.slab
         if slab.store is not None:
             assert slab.buffer is not None and slab.server is not None
-            self.disk = DiskRole(slab.store, slab.buffer.view, slab.node_id, slab.config.disk.io_threads,
-                                 slab.server.fence)
+            self.disk = DiskRole(
+                slab.store,
+                slab.buffer.view,
+                slab.node_id,
+                slab.config.disk.io_threads,
+                slab.server.fence,
+            )
             self.disk.start(self.control, lambda: slab.ref, self.registered)
         self._task = asyncio.create_task(self._loop(), name=f"slab-heartbeat-{self.shard}")
 
@@ -91,13 +96,22 @@ class ManagerLink:
         assert slab.buffer is not None
         transports = slab.config.slab.transports
         # The whole buffer and disk: the manager takes its shard's part of each.
-        info = RegisterRequest(slab.node_id, slab.incarnation, slab.address, slab.buffer.size,
-                               slab.buffer.path if "shm" in transports else "", host_id(),
-                               list(transports), slab.config.disk.capacity if slab.store is not None else 0)
+        info = RegisterRequest(
+            slab.node_id,
+            slab.incarnation,
+            slab.address,
+            slab.buffer.size,
+            slab.buffer.path if "shm" in transports else "",
+            host_id(),
+            list(transports),
+            slab.config.disk.capacity if slab.store is not None else 0,
+        )
         try:
             reg = await self.control.register(info, time.monotonic() + self._timeout)
         except (BadRequest, AccessDenied) as exc:
-            log.error(Events.REGISTRATION_REFUSED, status=exc.status, error=str(exc), manager=self.url)
+            log.error(
+                Events.REGISTRATION_REFUSED, status=exc.status, error=str(exc), manager=self.url
+            )
             return False
         if not slab.take_grant_key(reg.grant_key):
             return False
@@ -107,8 +121,14 @@ class ManagerLink:
             return False
         self.registered.set()
         self.registrations += 1
-        log.info(Events.SLAB_REGISTERED, node=slab.node_id, incarnation=slab.incarnation,
-                 registrations=self.registrations, manager=self.url, shard=str(self.shard))
+        log.info(
+            Events.SLAB_REGISTERED,
+            node=slab.node_id,
+            incarnation=slab.incarnation,
+            registrations=self.registrations,
+            manager=self.url,
+            shard=str(self.shard),
+        )
         slab.link_registered()
         return True
 
@@ -119,10 +139,15 @@ class ManagerLink:
         files = [f for f in self.disk.inventory() if self.shard.owns(f["key"])]
         for start in range(0, len(files), ADOPT_BATCH):
             try:
-                delete = await self.control.adopt(self.slab.ref, files[start:start + ADOPT_BATCH],
-                                                  time.monotonic() + ADOPT_TIMEOUT)
+                delete = await self.control.adopt(
+                    self.slab.ref,
+                    files[start : start + ADOPT_BATCH],
+                    time.monotonic() + ADOPT_TIMEOUT,
+                )
             except (BadRequest, AccessDenied) as exc:
-                log.error(Events.ADOPTION_REFUSED, status=exc.status, error=str(exc), manager=self.url)
+                log.error(
+                    Events.ADOPTION_REFUSED, status=exc.status, error=str(exc), manager=self.url
+                )
                 return False
             for key in delete:  # the manager has a fresher copy elsewhere
                 await asyncio.to_thread(self.disk.store.delete, key)
@@ -135,7 +160,9 @@ class ManagerLink:
             await self._register()
             return
         try:
-            await self.control.heartbeat(self.slab.ref, self.slab.stats(), time.monotonic() + self._timeout)
+            await self.control.heartbeat(
+                self.slab.ref, self.slab.stats(), time.monotonic() + self._timeout
+            )
         except BadRequest as exc:
             if exc.status != 404:
                 raise
@@ -149,6 +176,12 @@ class ManagerLink:
                 await self._beat()
                 self._down.clear(Events.MANAGER_UNREACHABLE)
             except PolarKVError as exc:  # unreachable, timed out, refused: keep knocking
-                self._down.warning(Events.MANAGER_UNREACHABLE, node=self.slab.node_id, manager=self.url,
-                                   error=str(exc) or type(exc).__name__)
-            await asyncio.sleep(self._interval if self.registered.is_set() else min(self._interval, 0.2))
+                self._down.warning(
+                    Events.MANAGER_UNREACHABLE,
+                    node=self.slab.node_id,
+                    manager=self.url,
+                    error=str(exc) or type(exc).__name__,
+                )
+            await asyncio.sleep(
+                self._interval if self.registered.is_set() else min(self._interval, 0.2)
+            )

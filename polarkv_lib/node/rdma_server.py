@@ -64,16 +64,26 @@ class RdmaStats:
 class RdmaServer:
     """Raises RdmaUnavailable at construction where the device cannot serve the buffer."""
 
-    def __init__(self, buffer: memoryview, incarnation: int, grant_key: Callable[[], bytes | None],
-                 device: str = "", port: int = 1, gid_index: int = -1, windows: bool = False,
-                 fence: Fence | None = None) -> None:
+    def __init__(
+        self,
+        buffer: memoryview,
+        incarnation: int,
+        grant_key: Callable[[], bytes | None],
+        device: str = "",
+        port: int = 1,
+        gid_index: int = -1,
+        windows: bool = False,
+        fence: Fence | None = None,
+    ) -> None:
         self.hca = Hca(device, port, gid_index)
         self._fence = fence or Fence(len(buffer))
         v = self.hca.v
         if windows and not self.hca.windows:
             self.hca.close()
-            raise RdmaUnavailable(f"RDMA device {self.hca.name} has no type 2 memory windows "
-                                  "(set slab.rdma_windows = false)")
+            raise RdmaUnavailable(
+                f"RDMA device {self.hca.name} has no type 2 memory windows "
+                "(set slab.rdma_windows = false)"
+            )
         self.windows = windows
         self._incarnation = incarnation
         self._grant_key = grant_key
@@ -82,18 +92,29 @@ class RdmaServer:
         self.length = len(buffer)
         remote = ("MW_BIND",) if windows else ("REMOTE_READ", "REMOTE_WRITE")
         try:
-            self._mr = self.hca.register(self.address, self.length,
-                                         access_flags(v, "LOCAL_WRITE", *remote), "the slab buffer")
+            self._mr = self.hca.register(
+                self.address,
+                self.length,
+                access_flags(v, "LOCAL_WRITE", *remote),
+                "the slab buffer",
+            )
         except PolarKVError:
             self._anchor = None
             self.hca.close()
             raise
         self._qp_access = access_flags(v, "LOCAL_WRITE", "REMOTE_READ", "REMOTE_WRITE")
-        self._window_access = {grants.Op.READ: access_flags(v, "REMOTE_READ"),
-                               grants.Op.WRITE: access_flags(v, "REMOTE_WRITE")}
+        self._window_access = {
+            grants.Op.READ: access_flags(v, "REMOTE_READ"),
+            grants.Op.WRITE: access_flags(v, "REMOTE_WRITE"),
+        }
         self.stats = RdmaStats()
-        log.info("rdma serving", device=self.hca.name, port=self.hca.port, bytes=self.length,
-                 windows=windows)
+        log.info(
+            "rdma serving",
+            device=self.hca.name,
+            port=self.hca.port,
+            bytes=self.length,
+            windows=windows,
+        )
 
     def describe(self) -> RemoteBuffer:
         """What a client is told: with windows, no rkey to the whole region."""
@@ -145,9 +166,13 @@ class RdmaServer:
         try:
             return v.mr.MW(self.hca.pd, v.IBV_MW_TYPE_2)
         except v.error as exc:
-            raise rdma_wire.setup_error("allocating a memory window", errno_of(exc), str(exc)) from None
+            raise rdma_wire.setup_error(
+                "allocating a memory window", errno_of(exc), str(exc)
+            ) from None
 
-    def _bind_loop(self, conn: socket.socket, qp: QueuePair, window: Any, tokens: list[int]) -> None:
+    def _bind_loop(
+        self, conn: socket.socket, qp: QueuePair, window: Any, tokens: list[int]
+    ) -> None:
         """Bind the connection's window for each verified grant. The bound window holds
         a fence admission for its pages until it is invalidated (next request) or the QP
         is gone (disconnect); a newer generation's claim on them cuts this connection."""
@@ -168,8 +193,15 @@ class RdmaServer:
                     qp.wait(time.monotonic() + BIND_TIMEOUT, "invalidating a memory window")
                     while tokens:
                         self._fence.leave(tokens.pop())
-                tokens.append(self._fence.enter(grant.offset, grant.length, grant.gen,
-                                                claim=op is grants.Op.WRITE, abort=partial(_cut, conn)))
+                tokens.append(
+                    self._fence.enter(
+                        grant.offset,
+                        grant.length,
+                        grant.gen,
+                        claim=op is grants.Op.WRITE,
+                        abort=partial(_cut, conn),
+                    )
+                )
             except ProtocolError as exc:
                 _refuse(conn, Status.BAD_REQUEST, str(exc))
                 return
@@ -177,8 +209,9 @@ class RdmaServer:
                 self.stats.rdma_denied += 1
                 _refuse(conn, Status.DENIED, str(exc))
                 return
-            rkey = qp.bind_window(window, self._mr, self.address + grant.offset, grant.length,
-                                  self._window_access[op])
+            rkey = qp.bind_window(
+                window, self._mr, self.address + grant.offset, grant.length, self._window_access[op]
+            )
             qp.wait(time.monotonic() + BIND_TIMEOUT, "binding a memory window")
             bound = rkey
             self.stats.rdma_windows += 1
@@ -218,8 +251,16 @@ def _refuse(conn: socket.socket, status: Status, reason: str) -> None:
         pass
 
 
-def start(buffer: memoryview, incarnation: int, grant_key: Callable[[], bytes | None], device: str,
-          port: int, gid_index: int, windows: bool, fence: Fence | None = None) -> RdmaServer:
+def start(
+    buffer: memoryview,
+    incarnation: int,
+    grant_key: Callable[[], bytes | None],
+    device: str,
+    port: int,
+    gid_index: int,
+    windows: bool,
+    fence: Fence | None = None,
+) -> RdmaServer:
     """The slab's rdma side; where it cannot run, a start-up error naming the reason
     (rdma is offered only when slab.transports lists it)."""
     try:

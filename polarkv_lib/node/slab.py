@@ -71,23 +71,47 @@ class SlabService:
         store = self.store
         if store is not None:
             found = await asyncio.to_thread(store.scan)
-            log.info(Events.DISK_SCANNED, paths=list(store.paths), files=len(found), bytes=store.used,
-                     capacity=store.capacity, o_direct=store.o_direct)
+            log.info(
+                Events.DISK_SCANNED,
+                paths=list(store.paths),
+                files=len(found),
+                bytes=store.used,
+                capacity=store.capacity,
+                o_direct=store.o_direct,
+            )
         # Reserving the whole buffer (posix_fallocate) takes a while for a large slab:
         # off the loop, which may be serving an embedded manager meanwhile.
-        self.buffer = await asyncio.to_thread(SlabBuffer, s.shm_dir, self.node_id, self.incarnation, s.memory)
+        self.buffer = await asyncio.to_thread(
+            SlabBuffer, s.shm_dir, self.node_id, self.incarnation, s.memory
+        )
         fence = Fence(self.buffer.size)  # one for every path into the buffer
         if "rdma" in s.transports:  # registering a large buffer takes a while: off the loop
             self.rdma = await asyncio.to_thread(
-                start_rdma, self.buffer.view, self.incarnation, lambda: self._grant_key, s.rdma_device,
-                s.rdma_port, s.rdma_gid_index, s.rdma_windows, fence)
-        self.server = DataServer(sock, self.buffer.view, self.incarnation, lambda: self._grant_key, s,
-                                 fence, self.rdma)
+                start_rdma,
+                self.buffer.view,
+                self.incarnation,
+                lambda: self._grant_key,
+                s.rdma_device,
+                s.rdma_port,
+                s.rdma_gid_index,
+                s.rdma_windows,
+                fence,
+            )
+        self.server = DataServer(
+            sock, self.buffer.view, self.incarnation, lambda: self._grant_key, s, fence, self.rdma
+        )
         self.server.start()
         for link in self.links:
             link.start()
-        log.info(Events.SLAB_SERVING, node=self.node_id, address=self.address, memory=s.memory,
-                 buffer=self.buffer.path, incarnation=self.incarnation, managers=len(self.links))
+        log.info(
+            Events.SLAB_SERVING,
+            node=self.node_id,
+            address=self.address,
+            memory=s.memory,
+            buffer=self.buffer.path,
+            incarnation=self.incarnation,
+            managers=len(self.links),
+        )
 
     async def stop(self) -> None:
         """Ordered: stop talking to the managers (and tell them), then stop serving, then

@@ -53,15 +53,18 @@ class ClientReport:
     seconds: float = 0.0
 
 
-def run_client(url: str, seed: int, seconds: float, prompts: int, chunks: int, size: int,
-               store_ratio: float) -> ClientReport:
+def run_client(
+    url: str, seed: int, seconds: float, prompts: int, chunks: int, size: int, store_ratio: float
+) -> ClientReport:
     rng = random.Random(seed)
     report = ClientReport()
     expected: dict[tuple[int, int], str] = {}
 
     def data(p: int) -> list[bytes]:
         # the first chunk is shared by a group of prompts: same tokens, same bytes
-        out = [chunk_bytes(p // 4 + 10**9, 0, size)] + [chunk_bytes(p, c, size) for c in range(1, chunks)]
+        out = [chunk_bytes(p // 4 + 10**9, 0, size)] + [
+            chunk_bytes(p, c, size) for c in range(1, chunks)
+        ]
         for c, blob in enumerate(out):
             expected.setdefault((p, c), xxhash.xxh3_64_hexdigest(blob))
         return out
@@ -103,13 +106,30 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(url: str, clients: int, seconds: float, prompts: int, chunks: int, size: int,
-        store_ratio: float) -> dict[str, Any]:
+def run(
+    url: str, clients: int, seconds: float, prompts: int, chunks: int, size: int, store_ratio: float
+) -> dict[str, Any]:
     """Start `clients` processes against `url`, wait for them, and sum up."""
-    procs = [subprocess.Popen([sys.executable, "-m", "polarkv_lib.tools.loadgen", "client", url, str(seed),
-                               str(seconds), str(prompts), str(chunks), str(size), str(store_ratio)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for seed in range(clients)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "polarkv_lib.tools.loadgen",
+                "client",
+                url,
+                str(seed),
+                str(seconds),
+                str(prompts),
+                str(chunks),
+                str(size),
+                str(store_ratio),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for seed in range(clients)
+    ]
     reports = []
     for proc in procs:
         out, err = proc.communicate(timeout=seconds + 60)
@@ -121,13 +141,19 @@ def run(url: str, clients: int, seconds: float, prompts: int, chunks: int, size:
     wall = max(r.seconds for r in reports)
     loaded = sum(r.bytes_loaded for r in reports)
     return {
-        "clients": clients, "seconds": round(wall, 1),
-        "stores": sum(r.stores for r in reports), "loads": sum(r.loads for r in reports),
+        "clients": clients,
+        "seconds": round(wall, 1),
+        "stores": sum(r.stores for r in reports),
+        "loads": sum(r.loads for r in reports),
         "ops_per_s": round(sum(r.stores + r.loads for r in reports) / wall, 1),
         "load_gbps": round(loaded / wall / 1e9, 3),
-        "hit_ratio": round(sum(r.chunks_loaded for r in reports) / max(1, sum(r.chunks_wanted for r in reports)), 3),
-        "store_p50_ms": round(_percentile(store_ms, 0.5), 2), "store_p99_ms": round(_percentile(store_ms, 0.99), 2),
-        "load_p50_ms": round(_percentile(load_ms, 0.5), 2), "load_p99_ms": round(_percentile(load_ms, 0.99), 2),
+        "hit_ratio": round(
+            sum(r.chunks_loaded for r in reports) / max(1, sum(r.chunks_wanted for r in reports)), 3
+        ),
+        "store_p50_ms": round(_percentile(store_ms, 0.5), 2),
+        "store_p99_ms": round(_percentile(store_ms, 0.99), 2),
+        "load_p50_ms": round(_percentile(load_ms, 0.5), 2),
+        "load_p99_ms": round(_percentile(load_ms, 0.99), 2),
         "wrong_bytes": sum(r.wrong_bytes for r in reports),
         "exceptions": sum(r.exceptions for r in reports),
     }
@@ -136,7 +162,9 @@ def run(url: str, clients: int, seconds: float, prompts: int, chunks: int, size:
 def main() -> None:
     if len(sys.argv) == 9 and sys.argv[1] == "client":
         url, seed, seconds, prompts, chunks, size, ratio = sys.argv[2:]
-        report = run_client(url, int(seed), float(seconds), int(prompts), int(chunks), int(size), float(ratio))
+        report = run_client(
+            url, int(seed), float(seconds), int(prompts), int(chunks), int(size), float(ratio)
+        )
         sys.stdout.write(orjson.dumps(vars(report)).decode())
         return
     sys.exit(__doc__)

@@ -40,15 +40,18 @@ class Preset:
         return 2 * self.active_params / (self.gpus * H20_BF16_FLOPS * PREFILL_MFU)
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    # config.json of meta-llama/Meta-Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16.
-    Preset("llama-3-8b", 32, 8, 128, 2, 2, 8.0e9, 1),
-    # config.json of Qwen/Qwen3-235B-A22B: 94 layers, 4 KV heads, head dim 128; 22B active.
-    Preset("qwen3-235b-a22b", 94, 4, 128, 2, 2, 22e9, 8),
-    # config.json of deepseek-ai/DeepSeek-R1: 61 layers, MLA kv_lora_rank 512 +
-    # qk_rope_head_dim 64 cached per token; 37B active parameters.
-    Preset("deepseek-r1", 61, 1, 512 + 64, 1, 2, 37e9, 8),
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        # config.json of meta-llama/Meta-Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16.
+        Preset("llama-3-8b", 32, 8, 128, 2, 2, 8.0e9, 1),
+        # config.json of Qwen/Qwen3-235B-A22B: 94 layers, 4 KV heads, head dim 128; 22B active.
+        Preset("qwen3-235b-a22b", 94, 4, 128, 2, 2, 22e9, 8),
+        # config.json of deepseek-ai/DeepSeek-R1: 61 layers, MLA kv_lora_rank 512 +
+        # qk_rope_head_dim 64 cached per token; 37B active parameters.
+        Preset("deepseek-r1", 61, 1, 512 + 64, 1, 2, 37e9, 8),
+    )
+}
 
 
 def preset(name: str) -> Preset:

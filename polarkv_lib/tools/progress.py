@@ -26,8 +26,9 @@ LOG_EVERY_S = 10.0
 class Progress:
     """A counter that a task advances; renders a bar on a terminal or logs sparsely."""
 
-    def __init__(self, total: int | None, desc: str, unit: str, stream: TextIO,
-                 tty: bool, log_lines: bool) -> None:
+    def __init__(
+        self, total: int | None, desc: str, unit: str, stream: TextIO, tty: bool, log_lines: bool
+    ) -> None:
         self.total = total
         self.desc = desc
         self.unit = unit
@@ -39,8 +40,10 @@ class Progress:
         self._last_log = time.monotonic()
         if tty:
             from tqdm import tqdm  # imported here: only terminals pay for it
-            self._bar = tqdm(total=total, desc=desc, unit=unit, file=stream,
-                             dynamic_ncols=True, leave=True)
+
+            self._bar = tqdm(
+                total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=True
+            )
 
     def update(self, n: int = 1) -> None:
         self.done += n
@@ -48,8 +51,7 @@ class Progress:
             self._bar.update(n)  # type: ignore[attr-defined]
         elif self._log_lines and time.monotonic() - self._last_log >= LOG_EVERY_S:
             self._last_log = time.monotonic()
-            log.info("progress", task=self.desc, done=self.done, total=self.total,
-                     unit=self.unit)
+            log.info("progress", task=self.desc, done=self.done, total=self.total, unit=self.unit)
 
     def set_postfix(self, text: str) -> None:
         if self._bar is not None:
@@ -59,13 +61,20 @@ class Progress:
         if self._bar is not None:
             self._bar.close()  # type: ignore[attr-defined]
         elif self._log_lines:
-            log.info("progress_done", task=self.desc, done=self.done, total=self.total,
-                     unit=self.unit)
+            log.info(
+                "progress_done", task=self.desc, done=self.done, total=self.total, unit=self.unit
+            )
 
 
 @contextmanager
-def progress(total: int | None, desc: str, unit: str = "it", *,
-             stream: TextIO | None = None, log_lines: bool = False) -> Iterator[Progress]:
+def progress(
+    total: int | None,
+    desc: str,
+    unit: str = "it",
+    *,
+    stream: TextIO | None = None,
+    log_lines: bool = False,
+) -> Iterator[Progress]:
     """Yield a Progress for `total` units of `desc`. A bar when `stream` (stderr by
     default) is a terminal; otherwise silent, or one structured log line every
     LOG_EVERY_S seconds and one at the end when `log_lines` is set (for services whose

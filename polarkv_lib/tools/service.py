@@ -1,4 +1,4 @@
-"""Start real `polarkv` processes for a benchmark, tool or demo, and always stop them."""
+"""Start real `polarkv` processes for a benchmark, tool, demo or test, and always stop them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,59 +28,101 @@ class ServiceError(BenchError):
 
 class Service:
     """One `polarkv` subprocess on ephemeral loopback ports, in its own directory (its
-    metadata store and, with the disk role, its disk path live there)."""
+    working directory: its log, its ready file and the default metadata store and disk
+    path live there).
 
-    def __init__(self, workdir: str, roles: tuple[str, ...], settings: dict[str, str],
-                 stop_timeout: float = STOP_TIMEOUT, start_timeout: float = START_TIMEOUT) -> None:
+    `settings` become `--set key=value`; a None value drops the key (the config file,
+    the environment or the default decides). `env` is added to this process's
+    environment, `max_files` caps its open files (RLIMIT_NOFILE, through util-linux's
+    `prlimit`), and `extra_args` go last on the command line."""
+
+    def __init__(
+        self,
+        workdir: str,
+        roles: Sequence[str],
+        settings: Mapping[str, str | None],
+        stop_timeout: float = STOP_TIMEOUT,
+        start_timeout: float = START_TIMEOUT,
+        *,
+        env: Mapping[str, str] | None = None,
+        config_file: str | os.PathLike[str] | None = None,
+        extra_args: Sequence[str] = (),
+        max_files: int | None = None,
+    ) -> None:
         os.makedirs(workdir, exist_ok=True)
         self.stop_timeout = stop_timeout  # a manager with a big table flushes longer
         self.start_timeout = start_timeout
         self.started = 0.0  # time.monotonic() when the process was started
         self.workdir = workdir
-        self._ready = os.path.join(workdir, "ready.json")
-        self._log = os.path.join(workdir, "service.log")
+        self.ready_file = os.path.join(workdir, "ready.json")
+        self.log_path = os.path.join(workdir, "service.log")
         self._cmd = [sys.executable, "-m", "polarkv"]
+        if max_files is not None:
+            self._cmd = ["prlimit", f"--nofile={max_files}:{max_files}", *self._cmd]
         for role in roles:
             self._cmd += ["--role", role]
-        base = {"manager.listen": "127.0.0.1:0", "slab.listen": "127.0.0.1:0", "log.level": "warning"}
+        if config_file is not None:
+            self._cmd += ["--config", os.fspath(config_file)]
+        base = {
+            "manager.listen": "127.0.0.1:0",
+            "slab.listen": "127.0.0.1:0",
+            "log.level": "warning",
+        }
         for key, value in {**base, **settings}.items():
-            self._cmd += ["--set", f"{key}={value}"]
-        self._cmd += ["--ready-file", self._ready]
+            if value is not None:
+                self._cmd += ["--set", f"{key}={value}"]
+        self._cmd += ["--ready-file", self.ready_file, *extra_args]
+        self._env = dict(env or {})
         self._proc: subprocess.Popen[bytes] | None = None
         self._node_id = ""
+        self.info: dict[str, Any] = {}  # the ready file's contents, once ready
         self.url = ""
 
     def start(self) -> None:
-        env = dict(os.environ)
+        env = {**os.environ, **self._env}
         root = Path(polarkv_lib.__file__).resolve().parent.parent
         if (root / "polarkv.py").exists():  # a source checkout: make `-m polarkv` importable
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         with contextlib.suppress(FileNotFoundError):  # a previous run's, in the same workdir
-            os.unlink(self._ready)
-        with open(self._log, "wb") as log_file:
+            os.unlink(self.ready_file)
+        with open(self.log_path, "wb") as log_file:
             self.started = time.monotonic()
-            self._proc = subprocess.Popen(self._cmd, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL,
-                                          stdout=log_file, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(
+                self._cmd,
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The process itself (to signal it, poll it, wait for it)."""
+        assert self._proc is not None, "not started"
+        return self._proc
 
     @property
     def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.pid
+        return self.proc.pid
 
     def wait_ready(self) -> str:
         assert self._proc is not None
         deadline = time.monotonic() + self.start_timeout
-        while not os.path.exists(self._ready):
+        while not os.path.exists(self.ready_file):
             if self._proc.poll() is not None:
-                raise ServiceError(f"polarkv exited with {self._proc.returncode}:\n{self.log_tail()}")
+                raise ServiceError(
+                    f"polarkv exited with {self._proc.returncode}:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise ServiceError(f"polarkv not ready in {self.start_timeout:.0f}s:\n{self.log_tail()}")
+                raise ServiceError(
+                    f"polarkv not ready in {self.start_timeout:.0f}s:\n{self.log_tail()}"
+                )
             time.sleep(0.05)
-        with open(self._ready, "rb") as fh:
-            info = orjson.loads(fh.read())
-        self.info: dict[str, Any] = info
-        self._node_id = str(info.get("node_id", ""))
-        self.url = str(info["manager_url"])
+        with open(self.ready_file, "rb") as fh:
+            self.info = orjson.loads(fh.read())
+        self._node_id = str(self.info.get("node_id", ""))
+        self.url = str(self.info.get("manager_url", ""))  # none for a node without a manager
         return self.url
 
     def terminate(self) -> None:
@@ -88,28 +130,47 @@ class Service:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        """kill -9: no goodbye, no final flush (what a crash looks like to the others)."""
+        proc = self.proc
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT)
+        self._remove_orphan_buffer()
+
+    def stop(self) -> int | None:
+        """Stop it in order and wait; kill it past `stop_timeout`. Returns its exit status
+        (None if it never started); idempotent."""
         proc = self._proc
         if proc is None:
-            return
+            return None
         if proc.poll() is None:
             self.terminate()
             try:
                 proc.wait(self.stop_timeout)
-                return
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._node_id and proc.returncode not in (0, -signal.SIGTERM):
-            # Killed or crashed: its buffer file would hold the memory until reboot.
+        if proc.returncode not in (0, -signal.SIGTERM):
+            self._remove_orphan_buffer()
+        return proc.returncode
+
+    def _remove_orphan_buffer(self) -> None:
+        """Killed or crashed: its /dev/shm buffer would hold the memory until reboot (its
+        node id carries a random port, so no later node reclaims it)."""
+        if self._node_id:
             remove_stale_buffers("/dev/shm", self._node_id)
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_text(self) -> str:
+        """Everything it has printed so far."""
         try:
-            with open(self._log, errors="replace") as fh:
-                return "".join(fh.readlines()[-lines:])
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()
         except OSError:
             return ""
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "".join(self.log_text().splitlines(keepends=True)[-lines:])
 
 
 @contextlib.contextmanager
@@ -128,8 +189,9 @@ def running(*services: Service) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def running_service(workdir: str, roles: tuple[str, ...] = (), settings: dict[str, str] | None = None
-                    ) -> Iterator[dict[str, Any]]:
+def running_service(
+    workdir: str, roles: tuple[str, ...] = (), settings: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
     """Run `polarkv` with `roles` (none: all of them) on ephemeral loopback ports, in
     `workdir`, and yield its ready-file contents (manager_url, slab_address, pid, ...)."""
     service = Service(workdir, roles, settings or {})

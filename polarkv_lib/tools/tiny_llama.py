@@ -56,12 +56,20 @@ def build(path: str, spec: TinyLlama = TinyLlama()) -> str:
 
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(spec.seed)
-    config = LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden,
-                         intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
-                         num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                         max_position_embeddings=spec.max_len, initializer_range=spec.init_std,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_len,
+        initializer_range=spec.init_std,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     model: Any = LlamaForCausalLM(config).to(getattr(torch, spec.dtype)).eval()
     model.config.dtype = spec.dtype
     model.save_pretrained(path)
@@ -71,8 +79,9 @@ def build(path: str, spec: TinyLlama = TinyLlama()) -> str:
     tok = tk.Tokenizer(tk.models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tk.pre_tokenizers.WhitespaceSplit()
     tok.decoder = tk.decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                                   model_max_length=spec.max_len)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", model_max_length=spec.max_len
+    )
     fast.save_pretrained(path)
     with open(spec_path, "w") as fh:
         json.dump(asdict(spec), fh)

@@ -42,9 +42,13 @@ def free_port() -> int:
 
 def kv_transfer_config(manager_url: str, **extra: Any) -> dict[str, Any]:
     """The --kv-transfer-config that plugs PolarKVConnector into vLLM."""
-    return {"kv_connector": "PolarKVConnector", "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"manager_url": manager_url, **extra}}
+    return {
+        "kv_connector": "PolarKVConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"manager_url": manager_url, **extra},
+    }
 
 
 @dataclass
@@ -74,28 +78,54 @@ class VllmServer:
         return os.path.join(self.workdir, f"{self.name}.log")
 
     def command(self) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-               "--max-model-len", str(self.max_model_len), "--enforce-eager",
-               "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-               "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+        ]
         if self.kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
         return cmd
 
     def start(self) -> VllmServer:
         os.makedirs(self.workdir, exist_ok=True)
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1", "VLLM_LOGGING_LEVEL": "INFO",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_LOGGING_LEVEL": "INFO",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
         env.setdefault("VLLM_CACHE_ROOT", os.path.join(self.workdir, "vllm-cache"))
         if self.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         with open(self.log_path, "wb") as log_file:
-            self._proc = subprocess.Popen(self.command(), cwd=self.workdir, env=env,
-                                          stdin=subprocess.DEVNULL, stdout=log_file,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                self.command(),
+                cwd=self.workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> VllmServer:
@@ -103,8 +133,13 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while True:
             if self._proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self._proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                raise ServerError(
+                    f"{self.name} exited with {self._proc.returncode}:\n{self.log_tail()}"
+                )
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.url + "/health", timeout=2) as resp,
+            ):
                 if resp.status == 200:
                     return self
             if time.monotonic() > deadline:
@@ -141,27 +176,44 @@ class VllmServer:
     # -- the OpenAI API ---------------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any], timeout: float) -> Any:
-        request = urllib.request.Request(self.url + path, json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         try:
             return urllib.request.urlopen(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
             raise ServerError(f"{self.name}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
 
-    def complete(self, prompt: str | list[int], max_tokens: int = 8, timeout: float = 300.0) -> list[int]:
+    def complete(
+        self, prompt: str | list[int], max_tokens: int = 8, timeout: float = 300.0
+    ) -> list[int]:
         """Greedy completion; the generated token ids."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         with self._post("/v1/completions", body, timeout) as resp:
             out = json.load(resp)
         return [int(t) for t in out["choices"][0]["token_ids"]]
 
-    def stream(self, prompt: str | list[int], max_tokens: int = 4,
-               timeout: float = 300.0) -> tuple[float, float, list[int]]:
+    def stream(
+        self, prompt: str | list[int], max_tokens: int = 4, timeout: float = 300.0
+    ) -> tuple[float, float, list[int]]:
         """Greedy streamed completion: (seconds to the first streamed token, seconds to
         the end, the generated token ids), timed here, by the client."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "return_token_ids": True, "ignore_eos": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         start = time.perf_counter()
         first = 0.0
         tokens: list[int] = []
@@ -191,5 +243,7 @@ class VllmServer:
     def external_hits(self) -> tuple[float, float]:
         """vLLM's own external prefix cache counters: (queried tokens, hit tokens)."""
         m = self.metrics()
-        return (m.get("vllm:external_prefix_cache_queries_total", 0.0),
-                m.get("vllm:external_prefix_cache_hits_total", 0.0))
+        return (
+            m.get("vllm:external_prefix_cache_queries_total", 0.0),
+            m.get("vllm:external_prefix_cache_hits_total", 0.0),
+        )

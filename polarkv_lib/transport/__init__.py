@@ -34,8 +34,11 @@ def rdma_selection() -> tuple[str, int, int]:
     (hosts with several NICs pick the one on the slabs' fabric)."""
     env = os.environ
     try:
-        return (env.get("POLARKV_RDMA_DEVICE", ""), int(env.get("POLARKV_RDMA_PORT", "1")),
-                int(env.get("POLARKV_RDMA_GID_INDEX", "-1")))
+        return (
+            env.get("POLARKV_RDMA_DEVICE", ""),
+            int(env.get("POLARKV_RDMA_PORT", "1")),
+            int(env.get("POLARKV_RDMA_GID_INDEX", "-1")),
+        )
     except ValueError:
         raise ConfigError("POLARKV_RDMA_PORT and POLARKV_RDMA_GID_INDEX must be integers") from None
 
@@ -128,8 +131,12 @@ def choose(preference: str) -> tuple[str, ...]:
 
 
 def open_transports(preference: str, connections: int = 8) -> list[Transport]:
-    return [AutoRdma(connections) if preference == "auto" and name == "rdma" else create(name, connections)
-            for name in choose(preference)]
+    return [
+        AutoRdma(connections)
+        if preference == "auto" and name == "rdma"
+        else create(name, connections)
+        for name in choose(preference)
+    ]
 
 
 def pick(transports: list[Transport], node: NodeTarget) -> Transport | None:
@@ -140,5 +147,16 @@ def pick(transports: list[Transport], node: NodeTarget) -> Transport | None:
     return None
 
 
-__all__ = ["NAMES", "PREFERENCES", "AutoRdma", "NodeTarget", "Region", "Transport", "choose", "create",
-           "open_transports", "pick", "rdma_unavailable"]
+__all__ = [
+    "NAMES",
+    "PREFERENCES",
+    "AutoRdma",
+    "NodeTarget",
+    "Region",
+    "Transport",
+    "choose",
+    "create",
+    "open_transports",
+    "pick",
+    "rdma_unavailable",
+]

@@ -19,11 +19,11 @@ raised: after that no late RDMA READ can land in a buffer the caller has taken b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import socket
 import threading
-import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +36,10 @@ from polarkv_lib.errors import (
 )
 from polarkv_lib.transport import rdma_wire
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
+from polarkv_lib.transport.pool import IdlePool
 from polarkv_lib.transport.rdma_verbs import Hca, QueuePair, access_flags, buffer_address
 from polarkv_lib.transport.rdma_wire import RemoteBuffer
+from polarkv_lib.transport.sockio import recv_exact, remaining, send_all
 from polarkv_lib.wire import frames
 from polarkv_lib.wire.frames import Status
 from polarkv_lib.wire.grants import Op
@@ -47,36 +49,23 @@ STAGING_MIN = 1 << 20
 DEFAULT_MAX_REGISTERED = 8 * 1024**3
 
 
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise OperationTimeout("deadline passed")
-    return left
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        sock.settimeout(_remaining(deadline))
-        r = sock.recv_into(view[got:], n - got)
-        if r == 0:
-            raise NetworkError("slab closed the connection")
-        got += r
+    recv_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
 def _read_answer(sock: socket.socket, expected: int, address: str, deadline: float) -> bytes:
     """A frames response; OK must carry exactly `expected` bytes, errors carry a reason."""
-    status, length = frames.decode_response(_recv_exact(sock, frames.RESPONSE_SIZE, deadline))
+    status, length = frames.decode_response(_recv(sock, frames.RESPONSE_SIZE, deadline))
     if status is not Status.OK:
-        reason = _recv_exact(sock, min(length, 4096), deadline).decode(errors="replace")
+        reason = _recv(sock, min(length, 4096), deadline).decode(errors="replace")
         if status is Status.DENIED:
             raise AccessDenied(f"slab {address} refused: {reason}")
         raise ProtocolError(f"slab {address} answered {status.name}: {reason}")
     if length != expected:
         raise ProtocolError(f"slab {address} sent a {length}-byte answer, expected {expected}")
-    return _recv_exact(sock, length, deadline)
+    return _recv(sock, length, deadline)
 
 
 @dataclass
@@ -176,19 +165,29 @@ class _Connection:
         self.sock.close()
 
 
+def _close_quietly(conn: _Connection) -> None:
+    with contextlib.suppress(PolarKVError):  # tearing down a QP the HCA already dropped
+        conn.close()
+
+
 class RdmaTransport(Transport):
     """Raises RdmaUnavailable at construction where no RDMA device is usable."""
 
     name = "rdma"
 
-    def __init__(self, device: str = "", port: int = 1, gid_index: int = -1,
-                 max_idle_per_node: int = 8, max_registered: int = DEFAULT_MAX_REGISTERED) -> None:
+    def __init__(
+        self,
+        device: str = "",
+        port: int = 1,
+        gid_index: int = -1,
+        max_idle_per_node: int = 8,
+        max_registered: int = DEFAULT_MAX_REGISTERED,
+    ) -> None:
         self._hca = Hca(device, port, gid_index)
         self._registrations = Registrations(self._hca, max_registered)
-        self._idle: dict[tuple[str, int], list[_Connection]] = defaultdict(list)
-        self._lock = threading.Lock()
-        self._max_idle = max_idle_per_node
-        self._closed = False
+        self._pool: IdlePool[tuple[str, int], _Connection] = IdlePool(
+            max_idle_per_node, _close_quietly
+        )
         v = self._hca.v
         self._opcodes = {Op.READ: v.IBV_WR_RDMA_READ, Op.WRITE: v.IBV_WR_RDMA_WRITE}
 
@@ -200,26 +199,23 @@ class RdmaTransport(Transport):
         return self._hca.name
 
     def _connect(self, node: NodeTarget, deadline: float) -> _Connection:
-        while True:
-            with self._lock:
-                idle = self._idle.get((node.address, node.incarnation))
-                conn = idle.pop() if idle else None
-            if conn is None:
-                break
+        while (conn := self._pool.take((node.address, node.incarnation))) is not None:
             if conn.alive():
                 return conn
             conn.close()
         host, _, port = node.address.rpartition(":")
         try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=_remaining(deadline))
+            sock = socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=remaining(deadline)
+            )
         except OSError as exc:
             raise NetworkError(f"cannot connect to slab {node.address}: {exc}") from None
         qp = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             qp = QueuePair(self._hca, SEND_DEPTH, access_flags(self._hca.v, "LOCAL_WRITE"))
-            sock.settimeout(_remaining(deadline))
-            sock.sendall(rdma_wire.encode_hello(qp.params()))
+            sock.settimeout(None)  # blocking: sockio bounds each call by the deadline
+            send_all(sock, (rdma_wire.encode_hello(qp.params()),), deadline)
             body = _read_answer(sock, rdma_wire.ACCEPT_SIZE, node.address, deadline)
             remote_qp, remote = rdma_wire.decode_accept(body)
             if remote.incarnation != node.incarnation:
@@ -230,27 +226,29 @@ class RdmaTransport(Transport):
             if qp is not None:
                 qp.close()
             sock.close()
-            if isinstance(exc, TimeoutError):
-                raise OperationTimeout(f"rdma exchange with slab {node.address} timed out") from None
+            if isinstance(exc, (TimeoutError, OperationTimeout)):
+                raise OperationTimeout(
+                    f"rdma exchange with slab {node.address} timed out"
+                ) from None
             if isinstance(exc, OSError):
-                raise NetworkError(f"rdma exchange with slab {node.address} failed: {exc}") from None
+                raise NetworkError(
+                    f"rdma exchange with slab {node.address} failed: {exc}"
+                ) from None
             raise
 
     def _checkin(self, node: NodeTarget, conn: _Connection) -> None:
-        with self._lock:
-            idle = self._idle[node.address, node.incarnation]
-            if not self._closed and len(idle) < self._max_idle:
-                idle.append(conn)
-                return
-        conn.close()
+        self._pool.give((node.address, node.incarnation), conn)
 
-    def _window(self, conn: _Connection, op: Op, grant: bytes, address: str, deadline: float) -> int:
+    def _window(
+        self, conn: _Connection, op: Op, grant: bytes, address: str, deadline: float
+    ) -> int:
         """Ask the slab to bind a window over exactly this grant; its rkey."""
         try:
-            conn.sock.settimeout(_remaining(deadline))
-            conn.sock.sendall(frames.encode_request(op, grant))
-            return rdma_wire.decode_window(_read_answer(conn.sock, rdma_wire.WINDOW_SIZE, address, deadline))
-        except TimeoutError:
+            send_all(conn.sock, (frames.encode_request(op, grant),), deadline)
+            return rdma_wire.decode_window(
+                _read_answer(conn.sock, rdma_wire.WINDOW_SIZE, address, deadline)
+            )
+        except (TimeoutError, OperationTimeout):
             raise OperationTimeout(f"window request to slab {address} timed out") from None
         except OSError as exc:
             raise NetworkError(f"window request to slab {address} failed: {exc}") from None
@@ -260,7 +258,7 @@ class RdmaTransport(Transport):
             raise ValueError(f"buffer of {len(view)} bytes for a region of {region.size}")
         if op is Op.READ and view.readonly:
             raise ValueError("cannot read into a read-only buffer")
-        _remaining(deadline)
+        remaining(deadline)
         node = region.node
         conn = self._connect(node, deadline)
         keep = True  # until something is in flight: a refused grant leaves it clean
@@ -280,7 +278,9 @@ class RdmaTransport(Transport):
                 local[:] = view
             address, entry = self._registrations.acquire(local)
             keep = False
-            conn.qp.post_rdma(self._opcodes[op], address, int(entry.mr.lkey), t.address, rkey, t.length)
+            conn.qp.post_rdma(
+                self._opcodes[op], address, int(entry.mr.lkey), t.address, rkey, t.length
+            )
             conn.qp.wait(deadline, f"rdma {op.name.lower()} with slab {node.address}")
             keep = True
         finally:
@@ -298,14 +298,6 @@ class RdmaTransport(Transport):
         self._transfer(region, Op.WRITE, view, deadline)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            conns = [c for idle in self._idle.values() for c in idle]
-            self._idle.clear()
-        for conn in conns:
-            try:
-                conn.close()
-            except PolarKVError:
-                pass
+        self._pool.close()
         self._registrations.close()
         self._hca.close()

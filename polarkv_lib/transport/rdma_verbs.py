@@ -96,7 +96,8 @@ def verbs() -> Verbs:
             except ImportError as exc:
                 raise RdmaUnavailable(
                     f"pyverbs is not installed ({exc}); install rdma-core's python3-pyverbs "
-                    "(scripts/setup-rdma) or the [rdma] extra") from None
+                    "(scripts/setup-rdma) or the [rdma] extra"
+                ) from None
         return _loaded
 
 
@@ -109,8 +110,10 @@ def device_names(v: Verbs) -> list[str]:
     try:
         devices = v.device.get_device_list()
     except v.error as exc:
-        raise RdmaUnavailable(f"no RDMA device: the kernel lists none ({exc}; no ib_uverbs, "
-                              "no rdma_rxe, or /sys/class/infiniband missing)") from None
+        raise RdmaUnavailable(
+            f"no RDMA device: the kernel lists none ({exc}; no ib_uverbs, "
+            "no rdma_rxe, or /sys/class/infiniband missing)"
+        ) from None
     names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
     if not names:
         raise RdmaUnavailable("no RDMA device: the device list is empty")
@@ -130,7 +133,7 @@ def probe(device: str = "", port: int = 1) -> str | None:
 def gid_text(gid: bytes) -> str:
     """16 raw bytes -> pyverbs' 'xxxx:xxxx:...' (8 groups; it parses no '::' shorthand)."""
     h = gid.hex()
-    return ":".join(h[i:i + 4] for i in range(0, 32, 4))
+    return ":".join(h[i : i + 4] for i in range(0, 32, 4))
 
 
 def gid_bytes(text: str) -> bytes:
@@ -155,8 +158,9 @@ def init_attr(v: Verbs, port: int, access: int) -> Any:
     return attr
 
 
-def connect_attr(v: Verbs, port: int, gid_index: int, remote: QpParams, mtu: int, local_psn: int,
-                 rd_atomic: int) -> Any:
+def connect_attr(
+    v: Verbs, port: int, gid_index: int, remote: QpParams, mtu: int, local_psn: int, rd_atomic: int
+) -> Any:
     """INIT -> RTR -> RTS towards `remote` (the attributes both transitions read)."""
     attr = v.qp.QPAttr(port_num=port)
     attr.path_mtu = mtu
@@ -168,8 +172,9 @@ def connect_attr(v: Verbs, port: int, gid_index: int, remote: QpParams, mtu: int
     attr.min_rnr_timer, attr.timeout = MIN_RNR_TIMER, TIMEOUT
     attr.retry_cnt, attr.rnr_retry = RETRY_CNT, RNR_RETRY
     if remote.is_global:
-        route = v.addr.GlobalRoute(dgid=v.addr.GID(gid_text(remote.gid)), sgid_index=gid_index,
-                                   hop_limit=HOP_LIMIT)
+        route = v.addr.GlobalRoute(
+            dgid=v.addr.GID(gid_text(remote.gid)), sgid_index=gid_index, hop_limit=HOP_LIMIT
+        )
         attr.ah_attr = v.addr.AHAttr(port_num=port, is_global=1, gr=route, dlid=remote.lid)
     else:
         attr.ah_attr = v.addr.AHAttr(port_num=port, is_global=0, dlid=remote.lid)
@@ -181,8 +186,9 @@ def qp_cap(v: Verbs, depth: int) -> Any:
     return v.qp.QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
 
 
-def rdma_requests(v: Verbs, opcode: int, local: int, lkey: int, remote: int, rkey: int, length: int,
-                  max_msg: int) -> list[Any]:
+def rdma_requests(
+    v: Verbs, opcode: int, local: int, lkey: int, remote: int, rkey: int, length: int, max_msg: int
+) -> list[Any]:
     """One READ or WRITE as WRs of at most the port's message size; only the last is
     signaled (an RC send queue completes in order, and any error is reported anyway)."""
     starts = range(0, length, max_msg)
@@ -190,8 +196,13 @@ def rdma_requests(v: Verbs, opcode: int, local: int, lkey: int, remote: int, rke
     for i, start in enumerate(starts):
         size = min(max_msg, length - start)
         last = i == len(starts) - 1
-        wr = v.wr.SendWR(wr_id=i, opcode=opcode, num_sge=1, sg=[v.wr.SGE(local + start, size, lkey)],
-                         send_flags=v.IBV_SEND_SIGNALED if last else 0)
+        wr = v.wr.SendWR(
+            wr_id=i,
+            opcode=opcode,
+            num_sge=1,
+            sg=[v.wr.SGE(local + start, size, lkey)],
+            send_flags=v.IBV_SEND_SIGNALED if last else 0,
+        )
         wr.set_wr_rdma(rkey, remote + start)
         out.append(wr)
     return out
@@ -277,8 +288,9 @@ class Hca:
         try:
             return self.v.mr.MR(self.pd, length, access, address=address)
         except self.v.error as exc:
-            raise rdma_wire.setup_error(f"registering {what} ({length} bytes) on {self.name}",
-                                        errno_of(exc), str(exc)) from None
+            raise rdma_wire.setup_error(
+                f"registering {what} ({length} bytes) on {self.name}", errno_of(exc), str(exc)
+            ) from None
 
     def close(self) -> None:
         """Close the PD (pyverbs closes what still hangs off it first), then the device."""
@@ -303,11 +315,14 @@ class QueuePair:
         try:
             self._channel = v.cq.CompChannel(hca.ctx)
             self._cq = v.cq.CQ(hca.ctx, depth + 1, None, self._channel, 0)
-            self.qp = v.qp.QP(hca.pd, qp_init(v, self._cq, depth), init_attr(v, hca.port, remote_access))
+            self.qp = v.qp.QP(
+                hca.pd, qp_init(v, self._cq, depth), init_attr(v, hca.port, remote_access)
+            )
         except v.error as exc:
             self.close()
-            raise rdma_wire.setup_error(f"creating a queue pair on {hca.name}", errno_of(exc),
-                                        str(exc)) from None
+            raise rdma_wire.setup_error(
+                f"creating a queue pair on {hca.name}", errno_of(exc), str(exc)
+            ) from None
         self.psn = secrets.randbits(24)
         self._fd: int | None = getattr(self._channel, "fd", None)
         self._armed = False
@@ -319,15 +334,22 @@ class QueuePair:
     def connect(self, remote: QpParams) -> None:
         assert self.qp is not None
         mtu = rdma_wire.path_mtu(self.hca.mtu, remote.mtu)
-        attr = connect_attr(self.v, self.hca.port, self.hca.gid_index, remote, mtu, self.psn,
-                            self.hca.rd_atomic)
+        attr = connect_attr(
+            self.v, self.hca.port, self.hca.gid_index, remote, mtu, self.psn, self.hca.rd_atomic
+        )
         try:
             self.qp.to_rts(attr)
         except self.v.error as exc:
-            raise rdma_wire.setup_error("connecting the queue pair", errno_of(exc), str(exc)) from None
+            raise rdma_wire.setup_error(
+                "connecting the queue pair", errno_of(exc), str(exc)
+            ) from None
 
-    def post_rdma(self, opcode: int, local: int, lkey: int, remote: int, rkey: int, length: int) -> None:
-        for wr in rdma_requests(self.v, opcode, local, lkey, remote, rkey, length, self.hca.max_msg):
+    def post_rdma(
+        self, opcode: int, local: int, lkey: int, remote: int, rkey: int, length: int
+    ) -> None:
+        for wr in rdma_requests(
+            self.v, opcode, local, lkey, remote, rkey, length, self.hca.max_msg
+        ):
             self._post(wr)
 
     def bind_window(self, window: Any, mr: Any, address: int, length: int, access: int) -> int:
@@ -358,8 +380,9 @@ class QueuePair:
         try:
             self._wait(deadline, where)
         except self.v.error as exc:  # the CQ or its channel itself failed
-            raise rdma_wire.setup_error(f"{where}: waiting for the completion", errno_of(exc),
-                                        str(exc)) from None
+            raise rdma_wire.setup_error(
+                f"{where}: waiting for the completion", errno_of(exc), str(exc)
+            ) from None
 
     def _wait(self, deadline: float, where: str) -> None:
         assert self._cq is not None

@@ -127,9 +127,18 @@ def decode_hello(frame: bytes | bytearray | memoryview) -> tuple[QpParams, int]:
 
 def encode_accept(local: QpParams, buffer: RemoteBuffer) -> bytes:
     local.check()
-    body = _ACCEPT.pack(local.qpn, local.psn, local.lid, local.mtu,
-                        FLAG_WINDOWS if buffer.windows else 0, local.gid,
-                        buffer.rkey, buffer.base, buffer.length, buffer.incarnation)
+    body = _ACCEPT.pack(
+        local.qpn,
+        local.psn,
+        local.lid,
+        local.mtu,
+        FLAG_WINDOWS if buffer.windows else 0,
+        local.gid,
+        buffer.rkey,
+        buffer.base,
+        buffer.length,
+        buffer.incarnation,
+    )
     return frames.encode_response(frames.Status.OK, len(body)) + body
 
 
@@ -161,8 +170,14 @@ def path_mtu(local: int, remote: int) -> int:
     return min(local, remote)
 
 
-def target(buffer: RemoteBuffer, grant_blob: bytes, op: Op, offset: int, size: int,
-           now_ms: int | None = None) -> Target:
+def target(
+    buffer: RemoteBuffer,
+    grant_blob: bytes,
+    op: Op,
+    offset: int,
+    size: int,
+    now_ms: int | None = None,
+) -> Target:
     """The remote bytes a grant lets this transfer touch.
 
     Mirrors the slab's own checks (grants.verify) except the signature: the grant must
@@ -178,19 +193,35 @@ def target(buffer: RemoteBuffer, grant_blob: bytes, op: Op, offset: int, size: i
     if grant.length <= 0 or grant.offset < 0 or grant.offset + grant.length > buffer.length:
         raise AccessDenied("grant is outside the buffer")
     if (grant.offset, grant.length) != (offset, size):
-        raise ProtocolError(f"region {offset}+{size} does not match its grant "
-                            f"{grant.offset}+{grant.length}")
+        raise ProtocolError(
+            f"region {offset}+{size} does not match its grant {grant.offset}+{grant.length}"
+        )
     return Target(buffer.base + grant.offset, grant.length, op)
 
 
 # enum ibv_wc_status values (stable verbs ABI) -> what a failed completion means here.
 _WC_NAMES = {
-    1: "LOC_LEN_ERR", 2: "LOC_QP_OP_ERR", 3: "LOC_EEC_OP_ERR", 4: "LOC_PROT_ERR",
-    5: "WR_FLUSH_ERR", 6: "MW_BIND_ERR", 7: "BAD_RESP_ERR", 8: "LOC_ACCESS_ERR",
-    9: "REM_INV_REQ_ERR", 10: "REM_ACCESS_ERR", 11: "REM_OP_ERR", 12: "RETRY_EXC_ERR",
-    13: "RNR_RETRY_EXC_ERR", 14: "LOC_RDD_VIOL_ERR", 15: "REM_INV_RD_REQ_ERR",
-    16: "REM_ABORT_ERR", 17: "INV_EECN_ERR", 18: "INV_EEC_STATE_ERR", 19: "FATAL_ERR",
-    20: "RESP_TIMEOUT_ERR", 21: "GENERAL_ERR",
+    1: "LOC_LEN_ERR",
+    2: "LOC_QP_OP_ERR",
+    3: "LOC_EEC_OP_ERR",
+    4: "LOC_PROT_ERR",
+    5: "WR_FLUSH_ERR",
+    6: "MW_BIND_ERR",
+    7: "BAD_RESP_ERR",
+    8: "LOC_ACCESS_ERR",
+    9: "REM_INV_REQ_ERR",
+    10: "REM_ACCESS_ERR",
+    11: "REM_OP_ERR",
+    12: "RETRY_EXC_ERR",
+    13: "RNR_RETRY_EXC_ERR",
+    14: "LOC_RDD_VIOL_ERR",
+    15: "REM_INV_RD_REQ_ERR",
+    16: "REM_ABORT_ERR",
+    17: "INV_EECN_ERR",
+    18: "INV_EEC_STATE_ERR",
+    19: "FATAL_ERR",
+    20: "RESP_TIMEOUT_ERR",
+    21: "GENERAL_ERR",
 }
 _WC_ACCESS = {6, 10, 15}  # the slab's HCA refused the rkey, window or range
 _WC_UNREACHABLE = {5, 12, 13, 16, 19, 20}  # the peer is gone, or the QP broke

@@ -74,7 +74,7 @@ class _Mapping:
             return
         start, end = first * _BLOCK, min((last + 1) * _BLOCK, len(self.view))
         if _madvise(self.address + start, end - start, _MADV_POPULATE_WRITE) == 0:
-            self.populated[first: last + 1] = b"\x01" * (last + 1 - first)
+            self.populated[first : last + 1] = b"\x01" * (last + 1 - first)
         else:  # unsupported kernel, or a signal: faults will do; never ask again
             self.populated[:] = b"\x01" * len(self.populated)
 
@@ -113,7 +113,9 @@ class ShmTransport(Transport):
             try:
                 fd = os.open(node.shm_path, os.O_RDWR)
             except OSError as exc:
-                raise NetworkError(f"cannot open slab buffer {node.shm_path}: {exc.strerror}") from None
+                raise NetworkError(
+                    f"cannot open slab buffer {node.shm_path}: {exc.strerror}"
+                ) from None
             try:
                 mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except (OSError, ValueError) as exc:
@@ -132,7 +134,7 @@ class ShmTransport(Transport):
         try:
             if region.offset < 0 or region.offset + region.size > len(mapped.view):
                 raise NetworkError("region lies outside the slab buffer")
-            view = mapped.view[region.offset: region.offset + region.size]
+            view = mapped.view[region.offset : region.offset + region.size]
         except ValueError:  # released: usable() found the slab gone meanwhile
             raise NetworkError(f"slab buffer {region.node.shm_path} was unmapped") from None
         if size:

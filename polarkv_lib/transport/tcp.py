@@ -16,11 +16,10 @@ blocking sockets, one syscall per object).
 from __future__ import annotations
 
 import socket
-import threading
-from collections import defaultdict
 
 from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, ProtocolError
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
+from polarkv_lib.transport.pool import IdlePool
 from polarkv_lib.transport.sockio import recv_exact, remaining, send_all
 from polarkv_lib.wire import frames
 from polarkv_lib.wire.frames import Status
@@ -31,10 +30,7 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, max_idle_per_node: int = 8) -> None:
-        self._idle: dict[str, list[socket.socket]] = defaultdict(list)
-        self._lock = threading.Lock()
-        self._max_idle = max_idle_per_node
-        self._closed = False
+        self._pool: IdlePool[str, socket.socket] = IdlePool(max_idle_per_node, socket.socket.close)
 
     def usable(self, node: NodeTarget) -> bool:
         return "tcp" in node.transports
@@ -43,11 +39,8 @@ class TcpTransport(Transport):
         self, address: str, deadline: float, fresh: bool = False
     ) -> tuple[socket.socket, bool]:
         """A connection to `address` and whether it came from the pool."""
-        if not fresh:
-            with self._lock:
-                idle = self._idle.get(address)
-                if idle:
-                    return idle.pop(), True
+        if not fresh and (sock := self._pool.take(address)) is not None:
+            return sock, True
         host, _, port = address.rpartition(":")
         try:
             sock = socket.create_connection(
@@ -64,12 +57,7 @@ class TcpTransport(Transport):
         return sock, False
 
     def _checkin(self, address: str, sock: socket.socket) -> None:
-        with self._lock:
-            idle = self._idle[address]
-            if not self._closed and len(idle) < self._max_idle:
-                idle.append(sock)
-                return
-        sock.close()
+        self._pool.give(address, sock)
 
     def _exchange(self, region: Region, op: Op, view: memoryview, deadline: float) -> None:
         if len(view) != region.size:
@@ -142,12 +130,7 @@ class TcpTransport(Transport):
         self._exchange(region, Op.WRITE, view, deadline)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks = [s for idle in self._idle.values() for s in idle]
-            self._idle.clear()
-        for s in socks:
-            s.close()
+        self._pool.close()
 
 
 class _Stale(NetworkError):

@@ -44,7 +44,9 @@ def _only(obj: dict[str, Any], allowed: set[str], where: str = "body") -> None:
             raise BadRequest(f"{where}: unknown field {name!r:.40}")
 
 
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+def _field(
+    body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...
+) -> Any:
     if name not in body:
         if default is ...:
             raise BadRequest(f"'{name}' is required")
@@ -61,7 +63,9 @@ def _batch(body: dict[str, Any], name: str, limits: Limits, allow_empty: bool = 
     if not items and not allow_empty:
         raise BadRequest(f"'{name}' must not be empty")
     if len(items) > limits.max_batch:
-        raise BadRequest(f"'{name}' has {len(items)} entries, the maximum is {limits.max_batch}", 413)
+        raise BadRequest(
+            f"'{name}' has {len(items)} entries, the maximum is {limits.max_batch}", 413
+        )
     return items
 
 
@@ -101,7 +105,9 @@ class LookupRequest:
 
 def parse_lookup(body: dict[str, Any], limits: Limits) -> LookupRequest:
     _only(body, {"keys", "lease", "wait"})
-    return LookupRequest(_keys(body, "keys", limits), _field(body, "lease", bool, True), _wait(body, 1.0))
+    return LookupRequest(
+        _keys(body, "keys", limits), _field(body, "lease", bool, True), _wait(body, 1.0)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +137,9 @@ def parse_allocate(body: dict[str, Any], limits: Limits) -> AllocateRequest:
             raise BadRequest(f"items[{i}].size must be > 0, got {size}")
         if size > limits.max_object_size:
             raise BadRequest(
-                f"items[{i}].size {size} is above the maximum object size {limits.max_object_size}", 413)
+                f"items[{i}].size {size} is above the maximum object size {limits.max_object_size}",
+                413,
+            )
         out.append(AllocateItem(key, size))
     return AllocateRequest(out, _wait(body, 0.0))
 
@@ -215,14 +223,32 @@ class RegisterRequest:
     disk_capacity: int
 
     def encode(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "incarnation": self.incarnation, "address": self.address,
-                "capacity": self.capacity, "shm_path": self.shm_path, "host_id": self.host_id,
-                "transports": list(self.transports), "disk_capacity": self.disk_capacity}
+        return {
+            "node_id": self.node_id,
+            "incarnation": self.incarnation,
+            "address": self.address,
+            "capacity": self.capacity,
+            "shm_path": self.shm_path,
+            "host_id": self.host_id,
+            "transports": list(self.transports),
+            "disk_capacity": self.disk_capacity,
+        }
 
 
 def parse_register(body: dict[str, Any]) -> RegisterRequest:
-    _only(body, {"node_id", "incarnation", "address", "capacity", "shm_path", "host_id", "transports",
-                 "disk_capacity"})
+    _only(
+        body,
+        {
+            "node_id",
+            "incarnation",
+            "address",
+            "capacity",
+            "shm_path",
+            "host_id",
+            "transports",
+            "disk_capacity",
+        },
+    )
     address = _field(body, "address", str)
     host, _, port = address.rpartition(":")
     if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
@@ -268,8 +294,10 @@ def parse_node_ref(body: dict[str, Any], extra: tuple[str, ...] = ()) -> NodeRef
 
 def parse_heartbeat(body: dict[str, Any]) -> tuple[NodeRef, dict[str, int]]:
     stats = _field(body, "stats", dict, {})
-    if len(stats) > 256 or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, int)
-                                   and not isinstance(v, bool) for k, v in stats.items()):
+    if len(stats) > 256 or not all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, int) and not isinstance(v, bool)
+        for k, v in stats.items()
+    ):
         raise BadRequest("'stats' must map up to 256 short names to integers")
     return parse_node_ref(body, ("stats",)), stats
 
@@ -296,7 +324,11 @@ def parse_done(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[Orde
             raise BadRequest(f"{where} must be an object")
         _only(item, {"op", "key", "gen", "ok", "reason", "file_bytes", "seconds"}, where)
         op, ok, reason = item.get("op"), item.get("ok"), item.get("reason", "")
-        gen, file_bytes, seconds = item.get("gen"), item.get("file_bytes", 0), item.get("seconds", 0.0)
+        gen, file_bytes, seconds = (
+            item.get("gen"),
+            item.get("file_bytes", 0),
+            item.get("seconds", 0.0),
+        )
         if op not in _OPS:
             raise BadRequest(f"{where}.op must be one of {', '.join(_OPS)}")
         if not isinstance(ok, bool) or not isinstance(reason, str) or len(reason) > 64:
@@ -307,8 +339,17 @@ def parse_done(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[Orde
         if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
             raise BadRequest(f"{where}.seconds must be a non-negative number")
         assert isinstance(gen, int) and isinstance(file_bytes, int)
-        out.append(OrderResult(op, _key(item.get("key"), f"{where}.key"), gen, ok, reason, file_bytes,
-                               float(seconds)))
+        out.append(
+            OrderResult(
+                op,
+                _key(item.get("key"), f"{where}.key"),
+                gen,
+                ok,
+                reason,
+                file_bytes,
+                float(seconds),
+            )
+        )
     return parse_node_ref(body, ("results",)), out
 
 
@@ -316,7 +357,9 @@ def parse_orders(body: dict[str, Any]) -> tuple[NodeRef, float]:
     return parse_node_ref(body, ("wait",)), _wait(body, 5.0)
 
 
-def parse_adopt(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[tuple[str, int, str, int]]]:
+def parse_adopt(
+    body: dict[str, Any], limits: Limits
+) -> tuple[NodeRef, list[tuple[str, int, str, int]]]:
     files = []
     for i, item in enumerate(_batch(body, "files", limits, allow_empty=True)):
         where = f"files[{i}]"

@@ -75,9 +75,16 @@ class Order:
     checksum: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": self.op.value, "key": self.key, "gen": self.gen, "node": self.node,
-                "offset": self.offset, "size": self.size, "extent": self.extent,
-                "checksum": self.checksum}
+        return {
+            "op": self.op.value,
+            "key": self.key,
+            "gen": self.gen,
+            "node": self.node,
+            "offset": self.offset,
+            "size": self.size,
+            "extent": self.extent,
+            "checksum": self.checksum,
+        }
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "order") -> Order:
@@ -86,12 +93,22 @@ class Order:
         node, checksum = obj.get("node"), obj.get("checksum", "")
         if not isinstance(node, str) or not isinstance(checksum, str):
             raise BadRequest(f"{where} needs 'node' and 'checksum' strings")
-        order = cls(_op(obj, where), _key(obj, where), _int(obj, "gen", where), node,
-                    _int(obj, "offset", where), _int(obj, "size", where), _int(obj, "extent", where),
-                    checksum)
+        order = cls(
+            _op(obj, where),
+            _key(obj, where),
+            _int(obj, "gen", where),
+            node,
+            _int(obj, "offset", where),
+            _int(obj, "size", where),
+            _int(obj, "extent", where),
+            checksum,
+        )
         if order.op is not TierOp.DELETE and (
-                not _HEX16.fullmatch(checksum) or order.size <= 0 or order.extent < order.size):
-            raise BadRequest(f"{where}: an {order.op} needs a checksum and an extent that holds size")
+            not _HEX16.fullmatch(checksum) or order.size <= 0 or order.extent < order.size
+        ):
+            raise BadRequest(
+                f"{where}: an {order.op} needs a checksum and an extent that holds size"
+            )
         return order
 
 
@@ -108,8 +125,13 @@ class OrderResult:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"op": self.op.value, "key": self.key, "gen": self.gen, "ok": self.ok,
-                               "seconds": self.seconds}
+        out: dict[str, Any] = {
+            "op": self.op.value,
+            "key": self.key,
+            "gen": self.gen,
+            "ok": self.ok,
+            "seconds": self.seconds,
+        }
         if self.reason:
             out["reason"] = self.reason
         if self.file_bytes:

@@ -26,7 +26,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "tests/cluster/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.cluster)
             if _WHY:
-                item.add_marker(pytest.mark.skip(reason=f"cluster tests need network namespaces: {_WHY}"))
+                item.add_marker(
+                    pytest.mark.skip(reason=f"cluster tests need network namespaces: {_WHY}")
+                )
 
 
 MakeCluster = Callable[..., Cluster]
@@ -50,12 +52,23 @@ def make_cluster(tmp_path: Path) -> Iterator[MakeCluster]:
     for cluster in made:
         cluster.down()
     for cluster in made:
-        assert cluster.leftovers() == {"namespaces": [], "pids": [], "links": [], "qdiscs": [],
-                                       "buffers": []}
+        assert cluster.leftovers() == {
+            "namespaces": [],
+            "pids": [],
+            "links": [],
+            "qdiscs": [],
+            "buffers": [],
+        }
 
 
-def run_client(cluster: Cluster, vm: str, op: str, namespace: str, timeout: float = 60.0,
-               **options: int | float) -> dict[str, Any]:
+def run_client(
+    cluster: Cluster,
+    vm: str,
+    op: str,
+    namespace: str,
+    timeout: float = 60.0,
+    **options: int | float,
+) -> dict[str, Any]:
     """Run tests/cluster/vm_client.py in a client VM; its JSON report."""
     argv = [sys.executable, "-m", "tests.cluster.vm_client", op, "--namespace", namespace]
     for key, value in options.items():

@@ -14,11 +14,37 @@ import pytest
 @pytest.mark.slow
 def test_bench_cluster_tiny(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
-    done = subprocess.run([sys.executable, "-m", "polarkv", "bench", "cluster", "--layouts", "tiered,global",
-                           "--memory-vms", "2", "--client-vms", "1", "--slab-memory", "16MiB",
-                           "--working-set", "1.5", "--chunk-size", "256KiB", "--seconds", "3",
-                           "--state-dir", str(tmp_path / "state"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "polarkv",
+            "bench",
+            "cluster",
+            "--layouts",
+            "tiered,global",
+            "--memory-vms",
+            "2",
+            "--client-vms",
+            "1",
+            "--slab-memory",
+            "16MiB",
+            "--working-set",
+            "1.5",
+            "--chunk-size",
+            "256KiB",
+            "--seconds",
+            "3",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| tiered" in done.stdout and "| global" in done.stdout
     results = {r["layout"]: r for r in orjson.loads(out.read_bytes())["results"]}

@@ -14,7 +14,9 @@ def test_vms_are_hosts_on_capped_links(make_cluster: MakeCluster) -> None:
     cluster = make_cluster("pkvta", "10.77.11", memory_vms=2, client_vms=2)
     for vm in cluster.spec.vms():
         assert "htb" in netns.qdisc_kinds(vm.netns)
-        assert netns.run("tc", "-n", vm.netns, "qdisc", "show", "dev", "eth0").stdout.startswith("qdisc htb")
+        assert netns.run("tc", "-n", vm.netns, "qdisc", "show", "dev", "eth0").stdout.startswith(
+            "qdisc htb"
+        )
     before = {vm.name: cluster.counters(vm.name) for vm in cluster.spec.vms()}
     stored = run_client(cluster, "cli0", "store", "harness", chunks=16, size=256 * 1024)
     loaded = run_client(cluster, "cli1", "load", "harness", chunks=16, size=256 * 1024)
@@ -36,7 +38,10 @@ def test_vms_are_hosts_on_capped_links(make_cluster: MakeCluster) -> None:
     status = cluster.status()
     assert status["phase"] == "up"
     assert {row["vm"]: row.get("running") for row in status["vms"] if row["role"] != "client"} == {
-        "mgr0": True, "mem0": True, "mem1": True}
+        "mgr0": True,
+        "mem0": True,
+        "mem1": True,
+    }
 
 
 def test_up_after_a_crash_and_down_leave_nothing(make_cluster: MakeCluster) -> None:
@@ -51,5 +56,11 @@ def test_up_after_a_crash_and_down_leave_nothing(make_cluster: MakeCluster) -> N
     assert run_client(second, "cli0", "store", "again", chunks=4, size=64 * 1024)["chunks"] == 4
     removed = second.down()
     assert len(removed["namespaces"]) == 3
-    assert second.leftovers() == {"namespaces": [], "pids": [], "links": [], "qdiscs": [], "buffers": []}
+    assert second.leftovers() == {
+        "namespaces": [],
+        "pids": [],
+        "links": [],
+        "qdiscs": [],
+        "buffers": [],
+    }
     assert not second.state_file.exists()

@@ -33,7 +33,10 @@ def owner_node(cluster: Cluster, key: str) -> str:
 def wait_dead(cluster: Cluster, node: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     for url in cluster.spec.manager_urls():
-        while not any(n["id"] == node and n["state"] == "dead" for n in cluster.admin(url, "/v1/nodes")["nodes"]):
+        while not any(
+            n["id"] == node and n["state"] == "dead"
+            for n in cluster.admin(url, "/v1/nodes")["nodes"]
+        ):
             assert time.monotonic() < deadline, f"{url} still lists {node} alive"
             time.sleep(0.1)
 
@@ -52,9 +55,16 @@ def test_two_shards_three_memory_vms_two_clients(make_cluster: MakeCluster) -> N
     held = [cluster.admin(url, "/v1/stats")["keys_memory"] for url in cluster.spec.manager_urls()]
     assert held == per_shard and min(held) > 0
     for url in cluster.spec.manager_urls():  # every slab registered with every shard
-        assert sorted(n["id"] for n in cluster.admin(url, "/v1/nodes")["nodes"] if n["state"] == "alive") == mem
+        assert (
+            sorted(
+                n["id"] for n in cluster.admin(url, "/v1/nodes")["nodes"] if n["state"] == "alive"
+            )
+            == mem
+        )
     # The operator's view from a client VM: each shard's row and their sum.
-    admin = cluster.run_in("cli1", [sys.executable, "-m", "polarkv", "admin", "stats", "--json"], 60)
+    admin = cluster.run_in(
+        "cli1", [sys.executable, "-m", "polarkv", "admin", "stats", "--json"], 60
+    )
     report = orjson.loads(admin.stdout)
     assert report["keys_memory"] == 64
     assert [row["stats"]["keys_memory"] for row in report["shards"]] == per_shard
@@ -67,9 +77,15 @@ def test_two_shards_three_memory_vms_two_clients(make_cluster: MakeCluster) -> N
 def test_a_killed_memory_vm_costs_only_its_entries(make_cluster: MakeCluster) -> None:
     cluster = make_cluster("pkvtk", "10.77.16", shards=2, memory_vms=3, client_vms=1, settings=FAST)
     prompts, chunks = 12, 4
-    assert run_client(cluster, "cli0", "store", "kill", prompts=prompts, chunks=chunks, size=SIZE)["chunks"] \
+    assert (
+        run_client(cluster, "cli0", "store", "kill", prompts=prompts, chunks=chunks, size=SIZE)[
+            "chunks"
+        ]
         == prompts * chunks
-    holder = {k: owner_node(cluster, k) for p in range(prompts) for k in prompt_keys("kill", p, chunks)}
+    )
+    holder = {
+        k: owner_node(cluster, k) for p in range(prompts) for k in prompt_keys("kill", p, chunks)
+    }
     cluster.kill("mem0", signal.SIGKILL)
     wait_dead(cluster, "mem0")
     expected = []
@@ -80,9 +96,13 @@ def test_a_killed_memory_vm_costs_only_its_entries(make_cluster: MakeCluster) ->
     loaded = run_client(cluster, "cli0", "load", "kill", prompts=prompts, chunks=chunks, size=SIZE)
     assert loaded["per_prompt"] == expected and loaded["byte_exact"]
     # New stores go to the survivors.
-    fresh = run_client(cluster, "cli0", "store", "kill", prompts=6, first_prompt=100, chunks=chunks, size=SIZE)
+    fresh = run_client(
+        cluster, "cli0", "store", "kill", prompts=6, first_prompt=100, chunks=chunks, size=SIZE
+    )
     assert fresh["chunks"] == 6 * chunks
-    assert {owner_node(cluster, k) for p in range(100, 106) for k in prompt_keys("kill", p, chunks)} <= {"mem1", "mem2"}
+    assert {
+        owner_node(cluster, k) for p in range(100, 106) for k in prompt_keys("kill", p, chunks)
+    } <= {"mem1", "mem2"}
 
 
 def test_a_killed_shard_costs_only_its_range_and_restarts(make_cluster: MakeCluster) -> None:
@@ -97,10 +117,14 @@ def test_a_killed_shard_costs_only_its_range_and_restarts(make_cluster: MakeClus
         expected.append(in_1.index(True) if True in in_1 else chunks)
     assert expected != [chunks] * prompts
     started = time.monotonic()
-    loaded = run_client(cluster, "cli0", "load", "shard", prompts=prompts, chunks=chunks, size=SIZE, timeout=2.0)
+    loaded = run_client(
+        cluster, "cli0", "load", "shard", prompts=prompts, chunks=chunks, size=SIZE, timeout=2.0
+    )
     assert loaded["per_prompt"] == expected and loaded["byte_exact"]
     assert time.monotonic() - started < 30  # each load bounded by the client's timeout
     cluster.start_service("mgr1")
     cluster.wait_joined()
-    reloaded = run_client(cluster, "cli0", "load", "shard", prompts=prompts, chunks=chunks, size=SIZE)
+    reloaded = run_client(
+        cluster, "cli0", "load", "shard", prompts=prompts, chunks=chunks, size=SIZE
+    )
     assert reloaded["per_prompt"] == [chunks] * prompts and reloaded["byte_exact"]

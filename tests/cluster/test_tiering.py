@@ -18,8 +18,20 @@ WORKING_SET = PROMPTS * CHUNKS * SIZE  # 48 MiB over 2 x 16 MiB of memory
 
 
 def workload(cluster: Cluster, phase: str) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "polarkv_lib.cluster.workload", phase, "--prompts", str(PROMPTS),
-            "--chunks", str(CHUNKS), "--size", str(SIZE), "--timeout", "10"]
+    argv = [
+        sys.executable,
+        "-m",
+        "polarkv_lib.cluster.workload",
+        phase,
+        "--prompts",
+        str(PROMPTS),
+        "--chunks",
+        str(CHUNKS),
+        "--size",
+        str(SIZE),
+        "--timeout",
+        "10",
+    ]
     report = orjson.loads(cluster.run_in("cli0", argv, 120).stdout.splitlines()[-1])
     assert isinstance(report, dict)
     return report
@@ -29,14 +41,25 @@ def disk_bytes(cluster: Cluster) -> int:
     """Bytes the memory VMs' disk roles wrote and read, as their slabs report them."""
     url = cluster.spec.manager_urls()[0]
     nodes = cluster.admin(url, "/v1/nodes")["nodes"]
-    return sum(int(n["reported"].get("offload_bytes", 0)) + int(n["reported"].get("reload_bytes", 0))
-               for n in nodes)
+    return sum(
+        int(n["reported"].get("offload_bytes", 0)) + int(n["reported"].get("reload_bytes", 0))
+        for n in nodes
+    )
 
 
-def run_layout(make_cluster: MakeCluster, name: str, subnet: str, global_pools: bool) -> tuple[int, int]:
-    cluster = make_cluster(name, subnet, memory_vms=2, client_vms=1, slab_memory="16MiB",
-                           disk_capacity="256MiB", global_pools=global_pools,
-                           settings=("log.level=warning", "slab.heartbeat_interval=200ms"))
+def run_layout(
+    make_cluster: MakeCluster, name: str, subnet: str, global_pools: bool
+) -> tuple[int, int]:
+    cluster = make_cluster(
+        name,
+        subnet,
+        memory_vms=2,
+        client_vms=1,
+        slab_memory="16MiB",
+        disk_capacity="256MiB",
+        global_pools=global_pools,
+        settings=("log.level=warning", "slab.heartbeat_interval=200ms"),
+    )
     stored = workload(cluster, "fill")
     loaded = workload(cluster, "load")
     assert stored["chunks_stored"] == PROMPTS * CHUNKS

@@ -49,23 +49,37 @@ def main() -> None:
     out: dict[str, object] = {"hostname": socket.gethostname(), "op": args.op}
     done, exact, per_prompt = 0, True, []
     started = time.perf_counter()
-    with PolarKVClient(url, namespace=args.namespace, chunk_tokens=CHUNK_TOKENS, token=token,
-                       transport="auto", timeout=args.timeout) as client:
+    with PolarKVClient(
+        url,
+        namespace=args.namespace,
+        chunk_tokens=CHUNK_TOKENS,
+        token=token,
+        transport="auto",
+        timeout=args.timeout,
+    ) as client:
         for prompt in range(args.first_prompt, args.first_prompt + args.prompts):
             toks = tokens(prompt, args.chunks)
             if args.op == "store":
-                chunks = [chunk_bytes(args.namespace, prompt, i, args.size) for i in range(args.chunks)]
+                chunks = [
+                    chunk_bytes(args.namespace, prompt, i, args.size) for i in range(args.chunks)
+                ]
                 n = client.store_kv(toks, chunks)
             else:
                 n_tokens, views = client.load_kv(toks)
                 n = n_tokens // CHUNK_TOKENS
-                exact = exact and all(bytes(v) == chunk_bytes(args.namespace, prompt, i, args.size)
-                                      for i, v in enumerate(views))
+                exact = exact and all(
+                    bytes(v) == chunk_bytes(args.namespace, prompt, i, args.size)
+                    for i, v in enumerate(views)
+                )
             done += n
             per_prompt.append(n)
         out["faults"] = client.stats.faults if hasattr(client, "stats") else None
-    out.update(chunks=done, per_prompt=per_prompt, byte_exact=exact,
-               seconds=round(time.perf_counter() - started, 3))
+    out.update(
+        chunks=done,
+        per_prompt=per_prompt,
+        byte_exact=exact,
+        seconds=round(time.perf_counter() - started, 3),
+    )
     sys.stdout.write(orjson.dumps(out).decode() + "\n")
 
 

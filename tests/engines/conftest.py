@@ -12,8 +12,12 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _cache = os.path.join(os.path.dirname(__file__), "..", "..", ".engines-cache")
-for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("SGLANG_CACHE_DIR", "sglang"),
-                 ("TORCH_EXTENSIONS_DIR", "torch_extensions"), ("HF_HOME", "hf")):
+for var, sub in (
+    ("VLLM_CACHE_ROOT", "vllm"),
+    ("SGLANG_CACHE_DIR", "sglang"),
+    ("TORCH_EXTENSIONS_DIR", "torch_extensions"),
+    ("HF_HOME", "hf"),
+):
     os.environ.setdefault(var, os.path.abspath(os.path.join(_cache, sub)))
 
 

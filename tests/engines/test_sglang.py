@@ -37,25 +37,37 @@ class HostPool:
     each page's bytes: K then V for page_first, K and V of every layer for layer_first.
     """
 
-    def __init__(self, layout: str, size: int = 64, layers: int = 3, heads: int = 2,
-                 dim: int = 8, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        layout: str,
+        size: int = 64,
+        layers: int = 3,
+        heads: int = 2,
+        dim: int = 8,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         self.layout, self.size, self.page_size = layout, size, PAGE
         self.layer_num, self.head_num, self.head_dim, self.dtype = layers, heads, dim, dtype
-        shape = (2, size, layers, heads, dim) if layout == "page_first" else (2, layers, size, heads, dim)
+        shape = (
+            (2, size, layers, heads, dim)
+            if layout == "page_first"
+            else (2, layers, size, heads, dim)
+        )
         self.kv_buffer = torch.zeros(shape, dtype=dtype)
 
     def _page(self, index: int) -> torch.Tensor:
         if self.layout == "page_first":
-            return self.kv_buffer[:, index:index + self.page_size]
-        return self.kv_buffer[:, :, index:index + self.page_size]
+            return self.kv_buffer[:, index : index + self.page_size]
+        return self.kv_buffer[:, :, index : index + self.page_size]
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         page = self._page(int(index))
         return page.flatten() if flat else page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(2 * self.layer_num * self.page_size * self.head_num * self.head_dim,
-                           dtype=self.dtype)
+        return torch.zeros(
+            2 * self.layer_num * self.page_size * self.head_num * self.head_dim, dtype=self.dtype
+        )
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         page = self._page(int(index))
@@ -64,12 +76,15 @@ class HostPool:
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         assert len(indices) % self.page_size == 0
         ptrs, sizes = [], []
-        for first in indices.tolist()[::self.page_size]:
+        for first in indices.tolist()[:: self.page_size]:
             if self.layout == "page_first":
-                runs = [self.kv_buffer[kv, first:first + self.page_size] for kv in (0, 1)]
+                runs = [self.kv_buffer[kv, first : first + self.page_size] for kv in (0, 1)]
             else:
-                runs = [self.kv_buffer[kv, layer, first:first + self.page_size]
-                        for layer in range(self.layer_num) for kv in (0, 1)]
+                runs = [
+                    self.kv_buffer[kv, layer, first : first + self.page_size]
+                    for layer in range(self.layer_num)
+                    for kv in (0, 1)
+                ]
             for run in runs:
                 assert run.is_contiguous()
                 ptrs.append(run.data_ptr())
@@ -80,14 +95,34 @@ class HostPool:
         return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 
 
-def storage_config(url: str, model: str = "org/model-a", tp_rank: int = 0, tp_size: int = 1,
-                   mla: bool = False, **extra: Any) -> HiCacheStorageConfig:
+def storage_config(
+    url: str,
+    model: str = "org/model-a",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    **extra: Any,
+) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
         model_name=model,
-        extra_config={"backend_name": "polarkv", "module_path": "polarkv_lib.integrations.sglang",
-                      "class_name": "PolarKVStorage", "manager_url": url, "timeout": 5.0, **extra})
+        extra_config={
+            "backend_name": "polarkv",
+            "module_path": "polarkv_lib.integrations.sglang",
+            "class_name": "PolarKVStorage",
+            "manager_url": url,
+            "timeout": 5.0,
+            **extra,
+        },
+    )
 
 
 def build(config: HiCacheStorageConfig, pool: HostPool | None = None) -> PolarKVStorage:
@@ -185,8 +220,10 @@ def test_ranks_and_models_never_see_each_others_pages(url: str) -> None:
             got = storage.batch_get(keys)
             assert all(torch.equal(g, d) for g, d in zip(got, data[name], strict=True)), name
         # MLA KV is the same on every TP rank: the ranks share one copy.
-        mla = [build(storage_config(url, model="org/mla", tp_rank=r, tp_size=2, mla=True), pool)
-               for r in (0, 1)]
+        mla = [
+            build(storage_config(url, model="org/mla", tp_rank=r, tp_size=2, mla=True), pool)
+            for r in (0, 1)
+        ]
         try:
             assert mla[0].set(keys[0], data["a", 0][0])
             assert mla[1].exists(keys[0])
@@ -199,9 +236,12 @@ def test_ranks_and_models_never_see_each_others_pages(url: str) -> None:
             storage.close()
 
 
-@pytest.mark.parametrize(("layout", "call_bytes"), [("page_first", 64 * 1024**2), ("layer_first", 1000)])
-def test_zero_copy_v1_reads_and_writes_the_host_pool(url: str, layout: str, call_bytes: int,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("layout", "call_bytes"), [("page_first", 64 * 1024**2), ("layer_first", 1000)]
+)
+def test_zero_copy_v1_reads_and_writes_the_host_pool(
+    url: str, layout: str, call_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sglang_integration, "CALL_BYTES", call_bytes)  # 1000: many small calls
     writer_pool, reader_pool = HostPool(layout), HostPool(layout)
     writer = build(storage_config(url, interface_v1=1), writer_pool)

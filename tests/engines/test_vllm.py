@@ -28,8 +28,9 @@ from tests.conftest import Cluster, PolarKV, http, wait_for
 with warnings.catch_warnings():
     # torch's own deprecation, raised while vLLM's worker utilities import (deep_gemm ->
     # torch.compile -> torch.utils.mkldnn): not ours, and only this import is excused.
-    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
-                            category=DeprecationWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning
+    )
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -72,21 +73,35 @@ CELL = 2 * HEAD_SIZE  # floats per (head, token) cell of the logical view: K the
 NUM_BLOCKS = 96
 CHUNK = 256  # the default for 16-token blocks
 PER_CHUNK = CHUNK // BLOCK
-SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE,
-                         dtype=torch.float32)
+SPEC = FullAttentionSpec(
+    block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+)
 
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory: pytest.TempPathFactory) -> ModelConfig:
     model = tmp_path_factory.mktemp("tiny-llama")
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
-        "num_hidden_layers": len(LAYERS), "vocab_size": 1000, "max_position_embeddings": 2048,
-        "torch_dtype": "float32", "rms_norm_eps": 1e-5}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": HEADS,
+                "num_hidden_layers": len(LAYERS),
+                "vocab_size": 1000,
+                "max_position_embeddings": 2048,
+                "torch_dtype": "float32",
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
     init_none_hash(sha256)
-    return ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32",
-                       max_model_len=2048)
+    return ModelConfig(
+        model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=2048
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,27 +113,45 @@ def polarkv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolarKV]:
         cluster.close()
 
 
-def vllm_config(model_config: ModelConfig, manager_url: str, layout: str = "LBHNC",
-                batch: int = 2048, parallel: ParallelConfig | None = None,
-                **extra: Any) -> VllmConfig:
+def vllm_config(
+    model_config: ModelConfig,
+    manager_url: str,
+    layout: str = "LBHNC",
+    batch: int = 2048,
+    parallel: ParallelConfig | None = None,
+    **extra: Any,
+) -> VllmConfig:
     transfer = KVTransferConfig(
-        kv_connector="PolarKVConnector", kv_connector_module_path="polarkv_lib.integrations.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"manager_url": manager_url, "timeout": 1.0, **extra})
+        kv_connector="PolarKVConnector",
+        kv_connector_module_path="polarkv_lib.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"manager_url": manager_url, "timeout": 1.0, **extra},
+    )
     config = VllmConfig(
-        model_config=copy.deepcopy(model_config), cache_config=CacheConfig(block_size=BLOCK),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=batch, max_num_seqs=8,
-                                         max_model_len=2048, is_encoder_decoder=False),
-        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
-        parallel_config=parallel or ParallelConfig())
+        model_config=copy.deepcopy(model_config),
+        cache_config=CacheConfig(block_size=BLOCK),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=batch,
+            max_num_seqs=8,
+            max_model_len=2048,
+            is_encoder_decoder=False,
+        ),
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+        parallel_config=parallel or ParallelConfig(),
+    )
     config.cache_config.kv_cache_layout = layout  # what the engine core's resolution records
     return config
 
 
 def kv_cache_config(config: VllmConfig) -> KVCacheConfig:
     """vLLM's own planner: the tensors' strides for the config's layout."""
-    kcc = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(list(LAYERS), SPEC)],
-                                          SPEC.page_size_bytes * len(LAYERS) * NUM_BLOCKS)
+    kcc = get_kv_cache_config_from_groups(
+        config,
+        [KVCacheGroupSpec(list(LAYERS), SPEC)],
+        SPEC.page_size_bytes * len(LAYERS) * NUM_BLOCKS,
+    )
     kcc.kv_cache_layout = config.cache_config.kv_cache_layout
     config.cache_config.num_gpu_blocks = kcc.num_blocks
     return kcc
@@ -164,13 +197,21 @@ class Engine:
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
         self.kv_cache_config = kv_cache_config(config)
-        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=self.kv_cache_config,
-                                   structured_output_manager=StructuredOutputManager(config),
-                                   block_size=BLOCK)
-        self.caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"),
-                                        KVCacheLayout[config.cache_config.kv_cache_layout], [BLOCK])
-        self.worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER,
-                                                          self.kv_cache_config)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+        )
+        self.caches = allocate_kv_cache(
+            self.kv_cache_config,
+            torch.device("cpu"),
+            KVCacheLayout[config.cache_config.kv_cache_layout],
+            [BLOCK],
+        )
+        self.worker = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
         self.worker.register_kv_caches(self.caches)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.tokens: dict[str, list[int]] = {}
@@ -184,8 +225,11 @@ class Engine:
 
     def add(self, req_id: str, prompt: list[int]) -> None:
         self.tokens[req_id] = list(prompt)
-        self.scheduler.add_request(Request(req_id, list(prompt), SamplingParams(max_tokens=1),
-                                           None, block_hasher=self.hasher))
+        self.scheduler.add_request(
+            Request(
+                req_id, list(prompt), SamplingParams(max_tokens=1), None, block_hasher=self.hasher
+            )
+        )
 
     def step(self, out: Any = None) -> tuple[Any, KVConnectorOutput]:
         """schedule (unless given its output) -> worker (load, forward, save) ->
@@ -202,17 +246,28 @@ class Engine:
                     self.tables[req_id] = list(ids[0])
                 else:
                     self.tables[req_id].extend(ids[0])
-        with kv_transfer_group(self.worker), set_forward_context(None, self.config), \
-                KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(out) as kv_output:
+        with (
+            kv_transfer_group(self.worker),
+            set_forward_context(None, self.config),
+            KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(out) as kv_output,
+        ):
             for req_id, n in out.num_scheduled_tokens.items():
                 self.forward(req_id, computed[req_id], computed[req_id] + n)
         assert kv_output is not None
         req_ids = list(out.num_scheduled_tokens)
-        sampled = [[7] if computed[r] + out.num_scheduled_tokens[r] >= len(self.tokens[r]) else []
-                   for r in req_ids]
-        self.scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, kv_connector_output=kv_output))
+        sampled = [
+            [7] if computed[r] + out.num_scheduled_tokens[r] >= len(self.tokens[r]) else []
+            for r in req_ids
+        ]
+        self.scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kv_output,
+            ),
+        )
         return out, kv_output
 
     def forward(self, req_id: str, start: int, end: int) -> None:
@@ -220,14 +275,16 @@ class Engine:
         blocks = torch.tensor(self.tables[req_id])[positions // BLOCK]
         for layer, name in enumerate(LAYERS):
             self.caches[name][blocks, :, positions % BLOCK] = expected_kv(
-                layer, self.tokens[req_id], start, end)
+                layer, self.tokens[req_id], start, end
+            )
 
     def kv(self, req_id: str, start: int, end: int) -> Any:
         return read_kv(self.caches, self.tables[req_id], start, end)
 
     def expected(self, req_id: str, start: int, end: int) -> Any:
-        return torch.stack([expected_kv(layer, self.tokens[req_id], start, end)
-                            for layer in range(len(LAYERS))])
+        return torch.stack(
+            [expected_kv(layer, self.tokens[req_id], start, end) for layer in range(len(LAYERS))]
+        )
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -250,18 +307,23 @@ def prompt(seed: int, n: int) -> list[int]:
 
 # -- 1. the factory builds both roles ------------------------------------------------------
 
+
 def test_factory_builds_both_roles_from_a_kv_transfer_config(
-        model_config: ModelConfig, polarkv: PolarKV) -> None:
+    model_config: ModelConfig, polarkv: PolarKV
+) -> None:
     config = vllm_config(model_config, polarkv.manager_url)
     kcc = kv_cache_config(config)
     assert KVConnectorFactory.get_connector_class(config.kv_transfer_config) is PolarKVConnector
     # Not SupportsHMA: vLLM turns the hybrid allocator off for it.
     assert config.scheduler_config.disable_hybrid_kv_cache_manager
-    built = [KVConnectorFactory.create_connector(config, role, kcc)
-             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+    built = [
+        KVConnectorFactory.create_connector(config, role, kcc)
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+    ]
     try:
-        for connector, role in zip(built, (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER),
-                                   strict=True):
+        for connector, role in zip(
+            built, (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER), strict=True
+        ):
             assert isinstance(connector, PolarKVConnector) and connector.role == role
             assert connector.enabled and connector.chunk_tokens == CHUNK
             assert not connector.requires_kv_delivery
@@ -276,11 +338,13 @@ def test_factory_builds_both_roles_from_a_kv_transfer_config(
 
 
 def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
-        model_config: ModelConfig, polarkv: PolarKV) -> None:
+    model_config: ModelConfig, polarkv: PolarKV
+) -> None:
     def build(url: str = polarkv.manager_url, **extra: Any) -> PolarKVConnector:
         config = vllm_config(model_config, url, **extra)
-        connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER,
-                                                        kv_cache_config(config))
+        connector = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.SCHEDULER, kv_cache_config(config)
+        )
         assert isinstance(connector, PolarKVConnector)
         connector.shutdown()
         return connector
@@ -296,10 +360,16 @@ def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
         build(url="127.0.0.1:8170")
 
 
-def test_namespace_keeps_ranks_and_layouts_apart(model_config: ModelConfig, polarkv: PolarKV) -> None:
+def test_namespace_keeps_ranks_and_layouts_apart(
+    model_config: ModelConfig, polarkv: PolarKV
+) -> None:
     def namespace(role: Any, layout: str = "LBHNC", rank: int = 0) -> str:
-        config = vllm_config(model_config, polarkv.manager_url, layout=layout,
-                             parallel=ParallelConfig(tensor_parallel_size=2, rank=rank))
+        config = vllm_config(
+            model_config,
+            polarkv.manager_url,
+            layout=layout,
+            parallel=ParallelConfig(tensor_parallel_size=2, rank=rank),
+        )
         connector = KVConnectorFactory.create_connector(config, role, kv_cache_config(config))
         connector.shutdown()
         return str(connector.namespace)
@@ -312,8 +382,10 @@ def test_namespace_keeps_ranks_and_layouts_apart(model_config: ModelConfig, pola
 
 # -- 2. the real scheduler schedules around PolarKV hits ------------------------------------
 
+
 def test_scheduler_takes_a_shared_prefix_from_polarkv(
-        model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]) -> None:
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+) -> None:
     # Engine A prefills in 256-token steps (chunked prefill): each chunk is saved in the
     # step that computes its last token, chunk 0 with store_kv, chunk 1 with put.
     a = Engine(vllm_config(model_config, polarkv.manager_url, batch=CHUNK))
@@ -323,7 +395,9 @@ def test_scheduler_takes_a_shared_prefix_from_polarkv(
     saves = []
     for _ in range(3):
         out, _ = a.step()
-        saves.append([(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves])
+        saves.append(
+            [(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves]
+        )
     assert saves == [[(0, 1)], [(1, 2)], []]
     assert a.worker.flush_saves(10)
     assert a.worker.stats.saved_chunks == 2 and a.worker.stats.failed_saves == 0
@@ -334,7 +408,7 @@ def test_scheduler_takes_a_shared_prefix_from_polarkv(
     # hashes) gets a prompt sharing 512 tokens; the scheduler takes them from PolarKV.
     b = Engine(vllm_config(model_config, polarkv.manager_url))
     engines.append(b)
-    second = first[:2 * CHUNK] + prompt(2, 100)
+    second = first[: 2 * CHUNK] + prompt(2, 100)
     b.add("b1", second)
     out, kv_output = b.step()
     (new,) = out.scheduled_new_reqs
@@ -342,7 +416,7 @@ def test_scheduler_takes_a_shared_prefix_from_polarkv(
     assert out.num_scheduled_tokens == {"b1": len(second) - 2 * CHUNK}
     assert out.has_sync_kv_loads
     (load,) = out.kv_connector_metadata.loads
-    assert load.first_block == 0 and load.block_ids == b.tables["b1"][:2 * PER_CHUNK]
+    assert load.first_block == 0 and load.block_ids == b.tables["b1"][: 2 * PER_CHUNK]
     assert not kv_output.invalid_block_ids
     assert b.worker.stats.loaded_chunks == 2
     # The loaded KV is A's, byte for byte, in B's own blocks.
@@ -350,24 +424,25 @@ def test_scheduler_takes_a_shared_prefix_from_polarkv(
     assert same_bytes(b.kv("b1", 0, len(second)), b.expected("b1", 0, len(second)))
     assert b.connector.stats.lookups == 1 and b.connector.stats.hit_tokens == 2 * CHUNK
     # A prompt of exactly the cached chunks still leaves its last token to vLLM.
-    b.add("b2", first[:2 * CHUNK])
+    b.add("b2", first[: 2 * CHUNK])
     out, _ = b.step()
     assert out.num_scheduled_tokens["b2"] >= 1
 
 
 def test_local_prefix_cache_hits_are_not_loaded_again(
-        model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]) -> None:
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+) -> None:
     engine = Engine(vllm_config(model_config, polarkv.manager_url))
     engines.append(engine)
     shared = prompt(3, 3 * CHUNK)
-    engine.add("r1", shared[:CHUNK + 40])  # computes chunk 0 and 40 more tokens locally
+    engine.add("r1", shared[: CHUNK + 40])  # computes chunk 0 and 40 more tokens locally
     engine.step()
     assert engine.worker.flush_saves(10)
     with PolarKVClient(polarkv.manager_url, engine.connector.namespace, CHUNK) as client:
         # Chunk 1 reaches PolarKV from elsewhere (another engine, same namespace).
         other = Engine(vllm_config(model_config, polarkv.manager_url))
         engines.append(other)
-        other.add("o1", shared[:2 * CHUNK + 1])
+        other.add("o1", shared[: 2 * CHUNK + 1])
         other.step()
         assert other.worker.flush_saves(10)
         assert client.lookup_kv(shared) == 2 * CHUNK
@@ -379,7 +454,7 @@ def test_local_prefix_cache_hits_are_not_loaded_again(
     local = (CHUNK + 40) // BLOCK * BLOCK
     assert new.num_computed_tokens == 2 * CHUNK
     assert load.first_block == local // BLOCK
-    assert load.block_ids == engine.tables["r2"][local // BLOCK: 2 * PER_CHUNK]
+    assert load.block_ids == engine.tables["r2"][local // BLOCK : 2 * PER_CHUNK]
     assert same_bytes(engine.kv("r2", 0, len(shared)), engine.expected("r2", 0, len(shared)))
 
 
@@ -403,8 +478,11 @@ def pages(caches: dict[str, Any], block_ids: list[int]) -> Any:
     for name in LAYERS:
         cache = caches[name].view(torch.uint8)
         ratio = BLOCK // cache.shape[2]
-        out.append(torch.stack([torch.cat([cache[b * ratio + j] for j in range(ratio)], dim=1)
-                                for b in block_ids]))
+        out.append(
+            torch.stack(
+                [torch.cat([cache[b * ratio + j] for j in range(ratio)], dim=1) for b in block_ids]
+            )
+        )
     return torch.stack(out)
 
 
@@ -427,20 +505,27 @@ def run_step(connector: PolarKVConnector, meta: PolarKVConnectorMetadata) -> set
 
 @pytest.mark.parametrize(("layout", "kernel_block"), LAYOUT_CASES)
 def test_worker_round_trips_paged_kv_in_every_layout(
-        model_config: ModelConfig, polarkv: PolarKV, layout: str, kernel_block: int) -> None:
+    model_config: ModelConfig, polarkv: PolarKV, layout: str, kernel_block: int
+) -> None:
     config = vllm_config(model_config, polarkv.manager_url, layout=layout)
     kcc = kv_cache_config(config)
     source = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout], [kernel_block])
     target = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout], [kernel_block])
-    assert tuple(source[LAYERS[0]].shape) == (NUM_BLOCKS * BLOCK // kernel_block, HEADS,
-                                              kernel_block, CELL)
+    assert tuple(source[LAYERS[0]].shape) == (
+        NUM_BLOCKS * BLOCK // kernel_block,
+        HEADS,
+        kernel_block,
+        CELL,
+    )
     fill_random(source, seed=sum(map(ord, layout)) + kernel_block)
     tokens = prompt(100 + kernel_block + sum(map(ord, layout)), 3 * CHUNK + 5)
     src_blocks = list(range(45, 45 + 3 * PER_CHUNK))[::-1]  # any order vLLM may hand out
     dst_blocks = list(range(2, 2 + 3 * PER_CHUNK))
     a, b = worker(config, kcc, source), worker(config, kcc, target)
     try:
-        assert not run_step(a, PolarKVConnectorMetadata(saves=[SaveOp("r", tokens[:3 * CHUNK], src_blocks, 0)]))
+        assert not run_step(
+            a, PolarKVConnectorMetadata(saves=[SaveOp("r", tokens[: 3 * CHUNK], src_blocks, 0)])
+        )
         assert a.flush_saves(10) and a.stats.saved_chunks == 3
         # The stored bytes are the documented format: layers, then blocks, then pages.
         expected = pages(source, src_blocks).view(len(LAYERS), 3, PER_CHUNK, -1).transpose(0, 1)
@@ -448,7 +533,7 @@ def test_worker_round_trips_paged_kv_in_every_layout(
             for i, key in enumerate(client.keys(tokens)):
                 assert client.get(key) == expected[i].contiguous().numpy().tobytes()
         # A local prefix of 20 blocks: only blocks 20.. of the request are written.
-        load = LoadOp("r", tokens[:3 * CHUNK], dst_blocks[20:], first_block=20)
+        load = LoadOp("r", tokens[: 3 * CHUNK], dst_blocks[20:], first_block=20)
         assert not run_step(b, PolarKVConnectorMetadata(loads=[load]))
         assert same_bytes(pages(target, dst_blocks[20:]), pages(source, src_blocks[20:]))
         untouched = [i for i in range(NUM_BLOCKS) if i not in dst_blocks[20:]]
@@ -460,7 +545,8 @@ def test_worker_round_trips_paged_kv_in_every_layout(
 
 @pytest.mark.parametrize("stacked", ["2-blocks", "blocks-2", "2-blocks-hnd"])
 def test_worker_round_trips_kv_stacked_caches(
-        model_config: ModelConfig, polarkv: PolarKV, stacked: str) -> None:
+    model_config: ModelConfig, polarkv: PolarKV, stacked: str
+) -> None:
     """The K/V-stacked per-layer shapes of older backends, [2, blocks, bs, H, D] and
     [blocks, 2, bs, H, D] (HND: the same logical shape over [2, blocks, H, bs, D] memory).
     vLLM 0.33's allocator no longer hands these out, so they are built here."""
@@ -472,12 +558,20 @@ def test_worker_round_trips_kv_stacked_caches(
             return {n: torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE) for n in LAYERS}
         if stacked == "blocks-2":
             return {n: torch.zeros(NUM_BLOCKS, 2, BLOCK, HEADS, HEAD_SIZE) for n in LAYERS}
-        return {n: torch.zeros(2, NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE).transpose(2, 3) for n in LAYERS}
+        return {
+            n: torch.zeros(2, NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE).transpose(2, 3) for n in LAYERS
+        }
 
     def kv_pages(caches: dict[str, Any], blocks: list[int]) -> Any:  # [L, blocks, H, bs, K|V]
-        kv = [c if stacked != "blocks-2" else c.transpose(0, 1) for c in (caches[n] for n in LAYERS)]
-        return torch.stack([torch.cat([c[0, blocks].transpose(1, 2), c[1, blocks].transpose(1, 2)], -1)
-                            for c in kv])
+        kv = [
+            c if stacked != "blocks-2" else c.transpose(0, 1) for c in (caches[n] for n in LAYERS)
+        ]
+        return torch.stack(
+            [
+                torch.cat([c[0, blocks].transpose(1, 2), c[1, blocks].transpose(1, 2)], -1)
+                for c in kv
+            ]
+        )
 
     source, target = make(), make()
     generator = torch.Generator().manual_seed(7)
@@ -500,19 +594,23 @@ def test_worker_round_trips_kv_stacked_caches(
 
 
 def test_unknown_cache_shape_is_refused_at_registration(
-        model_config: ModelConfig, polarkv: PolarKV) -> None:
+    model_config: ModelConfig, polarkv: PolarKV
+) -> None:
     config = vllm_config(model_config, polarkv.manager_url)
     kcc = kv_cache_config(config)
     connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
     try:
         with pytest.raises(ValueError, match="unsupported KV cache shape"):
-            connector.register_kv_caches({n: torch.zeros(NUM_BLOCKS, 3, BLOCK, CELL) for n in LAYERS})
+            connector.register_kv_caches(
+                {n: torch.zeros(NUM_BLOCKS, 3, BLOCK, CELL) for n in LAYERS}
+            )
     finally:
         connector.shutdown()
 
 
 def test_chunk_deleted_between_lookup_and_load_is_recomputed(
-        model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]) -> None:
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+) -> None:
     a = Engine(vllm_config(model_config, polarkv.manager_url))
     engines.append(a)
     tokens = prompt(4, 3 * CHUNK + 32)
@@ -530,7 +628,7 @@ def test_chunk_deleted_between_lookup_and_load_is_recomputed(
         assert status == 200
     _, kv_output = b.step(out)
     table = b.tables["b1"]
-    assert kv_output.invalid_block_ids == set(table[PER_CHUNK: 3 * PER_CHUNK])
+    assert kv_output.invalid_block_ids == set(table[PER_CHUNK : 3 * PER_CHUNK])
     assert b.worker.stats.loaded_chunks == 1
     assert same_bytes(b.kv("b1", 0, CHUNK), b.expected("b1", 0, CHUNK))
     # update_from_output took the failure: vLLM recomputes from the first failed block.
@@ -541,14 +639,17 @@ def test_chunk_deleted_between_lookup_and_load_is_recomputed(
     assert not kv_output.invalid_block_ids and not out.kv_connector_metadata.loads
     assert same_bytes(b.kv("b1", 0, len(tokens)), b.expected("b1", 0, len(tokens)))
     # The recomputed chunks are saved again, so the deleted one is back.
-    assert [(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves] == [(1, 3)]
+    assert [(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves] == [
+        (1, 3)
+    ]
     assert b.worker.flush_saves(10)
     with PolarKVClient(polarkv.manager_url, b.connector.namespace, CHUNK) as client:
         assert client.lookup_kv(tokens) == 3 * CHUNK
 
 
 def test_slab_killed_between_lookup_and_load_reports_every_block(
-        model_config: ModelConfig, cluster: Cluster) -> None:
+    model_config: ModelConfig, cluster: Cluster
+) -> None:
     """tcp, so the dead slab is noticed at once (shm would still read its buffer file
     until the manager declares the node dead)."""
     manager = cluster.manager()
@@ -584,8 +685,10 @@ def test_slab_killed_between_lookup_and_load_reports_every_block(
 
 # -- 4. PolarKV down: misses, and the engine goes on ---------------------------------------
 
+
 def test_polarkv_down_is_a_miss_and_the_engine_proceeds(
-        model_config: ModelConfig, engines: list[Engine]) -> None:
+    model_config: ModelConfig, engines: list[Engine]
+) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -609,6 +712,8 @@ def test_polarkv_down_is_a_miss_and_the_engine_proceeds(
 
 
 def test_importing_the_client_does_not_import_torch() -> None:
-    code = ("import sys, polarkv_lib.client, polarkv_lib.integrations.common; "
-            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules")
+    code = (
+        "import sys, polarkv_lib.client, polarkv_lib.integrations.common; "
+        "assert 'torch' not in sys.modules and 'vllm' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

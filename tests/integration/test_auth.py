@@ -25,9 +25,12 @@ def test_tokens(cluster: Cluster) -> None:
         key = c.keys(tokens)[0]
     status, body = http("DELETE", f"{url}/v1/keys/{key}", token=TOKEN)
     assert status == 403 and "admin token" in body["error"]
-    status, body = http("POST", url + "/v1/nodes/register", {"node_id": "rogue", "incarnation": 1,
-                                                            "address": "127.0.0.1:1", "capacity": 1 << 20},
-                        token=TOKEN)
+    status, body = http(
+        "POST",
+        url + "/v1/nodes/register",
+        {"node_id": "rogue", "incarnation": 1, "address": "127.0.0.1:1", "capacity": 1 << 20},
+        token=TOKEN,
+    )
     assert status == 403
     for bad in (None, "wrong"):
         with PolarKVClient(url, chunk_tokens=4, token=bad) as c:

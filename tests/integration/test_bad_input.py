@@ -20,8 +20,12 @@ K = key(7)
 
 @pytest.fixture
 def node(cluster: Cluster) -> PolarKV:
-    return cluster.embedded(manager__max_batch="8", manager__max_object_size="1MiB",
-                            manager__max_body_size="64KiB", manager__read_lease="300ms")
+    return cluster.embedded(
+        manager__max_batch="8",
+        manager__max_object_size="1MiB",
+        manager__max_body_size="64KiB",
+        manager__read_lease="300ms",
+    )
 
 
 CASES = [
@@ -31,34 +35,116 @@ CASES = [
     ("POST", "/v1/lookup", b"{}", 400, "'keys' is required"),
     ("POST", "/v1/lookup", b'{"keys": "abc"}', 400, "'keys' must be list"),
     ("POST", "/v1/lookup", b'{"keys": []}', 400, "must not be empty"),
-    ("POST", "/v1/lookup", b'{"keys": ["ABCDEF0123456789ABCDEF0123456789"]}', 400, "32 lowercase hex"),
+    (
+        "POST",
+        "/v1/lookup",
+        b'{"keys": ["ABCDEF0123456789ABCDEF0123456789"]}',
+        400,
+        "32 lowercase hex",
+    ),
     ("POST", "/v1/lookup", b'{"keys": ["../../etc/passwd"]}', 400, "32 lowercase hex"),
-    ("POST", "/v1/lookup", b'{"keys": ["' + K.encode() + b'"], "lease": 1}', 400, "'lease' must be bool"),
-    ("POST", "/v1/lookup", b'{"keys": [' + b",".join([b'"' + K.encode() + b'"'] * 9) + b"]}", 413,
-     "maximum is 8"),
-    ("POST", "/v1/allocate", b'{"items": [{"key": "' + K.encode() + b'", "size": 0}]}', 400, "must be > 0"),
-    ("POST", "/v1/allocate", b'{"items": [{"key": "' + K.encode() + b'", "size": -5}]}', 400, "must be > 0"),
-    ("POST", "/v1/allocate", b'{"items": [{"key": "' + K.encode() + b'", "size": "10"}]}', 400,
-     "size must be an integer"),
-    ("POST", "/v1/allocate", b'{"items": [{"key": "' + K.encode() + b'", "size": true}]}', 400,
-     "size must be an integer"),
-    ("POST", "/v1/allocate", b'{"items": [{"key": "' + K.encode() + b'", "size": 1048577}]}', 413,
-     "above the maximum object size"),
+    (
+        "POST",
+        "/v1/lookup",
+        b'{"keys": ["' + K.encode() + b'"], "lease": 1}',
+        400,
+        "'lease' must be bool",
+    ),
+    (
+        "POST",
+        "/v1/lookup",
+        b'{"keys": [' + b",".join([b'"' + K.encode() + b'"'] * 9) + b"]}",
+        413,
+        "maximum is 8",
+    ),
+    (
+        "POST",
+        "/v1/allocate",
+        b'{"items": [{"key": "' + K.encode() + b'", "size": 0}]}',
+        400,
+        "must be > 0",
+    ),
+    (
+        "POST",
+        "/v1/allocate",
+        b'{"items": [{"key": "' + K.encode() + b'", "size": -5}]}',
+        400,
+        "must be > 0",
+    ),
+    (
+        "POST",
+        "/v1/allocate",
+        b'{"items": [{"key": "' + K.encode() + b'", "size": "10"}]}',
+        400,
+        "size must be an integer",
+    ),
+    (
+        "POST",
+        "/v1/allocate",
+        b'{"items": [{"key": "' + K.encode() + b'", "size": true}]}',
+        400,
+        "size must be an integer",
+    ),
+    (
+        "POST",
+        "/v1/allocate",
+        b'{"items": [{"key": "' + K.encode() + b'", "size": 1048577}]}',
+        413,
+        "above the maximum object size",
+    ),
     ("POST", "/v1/allocate", b'{"items": [7]}', 400, "must be an object"),
-    ("POST", "/v1/commit", b'{"lease": "xyz", "items": [{"key": "' + K.encode() + b'", "checksum": "00"}]}',
-     400, "not a lease id"),
-    ("POST", "/v1/commit", b'{"lease": "0123456789abcdef", "items": [{"key": "' + K.encode()
-     + b'", "checksum": 5}]}', 400, "checksum must be 16 lowercase hex"),
+    (
+        "POST",
+        "/v1/commit",
+        b'{"lease": "xyz", "items": [{"key": "' + K.encode() + b'", "checksum": "00"}]}',
+        400,
+        "not a lease id",
+    ),
+    (
+        "POST",
+        "/v1/commit",
+        b'{"lease": "0123456789abcdef", "items": [{"key": "' + K.encode() + b'", "checksum": 5}]}',
+        400,
+        "checksum must be 16 lowercase hex",
+    ),
     ("POST", "/v1/release", b'{"leases": [1]}', 400, "not a lease id"),
     ("POST", "/v1/abort", b'{"keys": []}', 400, "'lease' is required"),
     ("POST", "/v1/renew", b'{"leases": "x"}', 400, "'leases' must be list"),
-    ("POST", "/v1/nodes/heartbeat", b'{"node_id": "nobody", "incarnation": 5}', 404, "unknown node"),
-    ("POST", "/v1/nodes/unregister", b'{"node_id": "nobody", "incarnation": 5}', 404, "unknown node"),
-    ("POST", "/v1/nodes/heartbeat", b'{"node_id": "a/b", "incarnation": 5}', 400, "'node_id' must be"),
-    ("POST", "/v1/nodes/register", b'{"node_id": "n", "incarnation": 0, "address": "h:1", "capacity": 9}',
-     400, "incarnation"),
-    ("POST", "/v1/nodes/register", b'{"node_id": "n", "incarnation": 3, "address": "nohost", "capacity": 9}',
-     400, "host:port"),
+    (
+        "POST",
+        "/v1/nodes/heartbeat",
+        b'{"node_id": "nobody", "incarnation": 5}',
+        404,
+        "unknown node",
+    ),
+    (
+        "POST",
+        "/v1/nodes/unregister",
+        b'{"node_id": "nobody", "incarnation": 5}',
+        404,
+        "unknown node",
+    ),
+    (
+        "POST",
+        "/v1/nodes/heartbeat",
+        b'{"node_id": "a/b", "incarnation": 5}',
+        400,
+        "'node_id' must be",
+    ),
+    (
+        "POST",
+        "/v1/nodes/register",
+        b'{"node_id": "n", "incarnation": 0, "address": "h:1", "capacity": 9}',
+        400,
+        "incarnation",
+    ),
+    (
+        "POST",
+        "/v1/nodes/register",
+        b'{"node_id": "n", "incarnation": 3, "address": "nohost", "capacity": 9}',
+        400,
+        "host:port",
+    ),
     ("GET", "/v1/keys/NOTAKEY", None, 400, "32 lowercase hex"),
     ("GET", "/v1/keys/" + K, None, 404, "no such key"),
     ("DELETE", "/v1/keys/" + K, None, 404, "no such key"),
@@ -75,15 +161,21 @@ def test_each_bad_input_is_a_4xx_with_a_reason(node: PolarKV) -> None:
         got, body = http(method, url + path, raw=raw)
         assert got == status, (path, raw, body)
         assert isinstance(body, dict) and text in body["error"], (path, raw, body)
-    got, body = http("POST", url + "/v1/lookup", raw=b'{"keys": ["' + b"a" * 32 + b'"], "pad": "'
-                     + b"x" * 70_000 + b'"}')
+    got, body = http(
+        "POST",
+        url + "/v1/lookup",
+        raw=b'{"keys": ["' + b"a" * 32 + b'"], "pad": "' + b"x" * 70_000 + b'"}',
+    )
     assert got == 413 and "error" in body
     after = stats(url)
     for counter in ("keys_memory", "bytes_memory", "commits", "allocations", "nodes", "deletes"):
         assert after[counter] == before[counter], counter
     status, health = http("GET", url + "/healthz")
-    assert status == 200 and health | {"status": "ok", "nodes": 1, "keys_memory": 1,
-                                       "metadata_store": "ok"} == health
+    assert (
+        status == 200
+        and health | {"status": "ok", "nodes": 1, "keys_memory": 1, "metadata_store": "ok"}
+        == health
+    )
     assert node.proc.poll() is None
 
 
@@ -123,6 +215,8 @@ def test_data_plane_refuses_forged_and_expired_grants(node: PolarKV) -> None:
     # the grant expires with its lease (300 ms here)
     time.sleep(0.5)
     with pytest.raises(AccessDenied, match="expired"):
-        TcpTransport().read_into(region(hit, entry), memoryview(bytearray(5000)), time.monotonic() + 5)
+        TcpTransport().read_into(
+            region(hit, entry), memoryview(bytearray(5000)), time.monotonic() + 5
+        )
     assert node.proc.poll() is None
     assert post(url, "/v1/lookup", {"keys": [key(2)]})["hits"] == 1  # nothing was lost

@@ -22,20 +22,29 @@ POLARKV = [sys.executable, str(ROOT / "polarkv.py")]
 
 
 def bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*POLARKV, "bench", *args], capture_output=True, text=True, timeout=timeout,
-                          check=False, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run(
+        [*POLARKV, "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "COLUMNS": "200"},
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["peers", "--sizes", "1KiB"], "bench peers: --sizes: from 4KiB to 64MiB"),
-    (["peers", "--systems", "memcached"], "bench peers: --systems: choose from"),
-    (["peers", "--total", "lots"], "bench peers: --total: not a size"),
-    (["datapath", "--concurrency", "0"], "bench datapath: --concurrency: between 1 and 64"),
-    (["disk", "--parts", "everything"], "bench disk: --parts: choose from"),
-    (["manager", "--entries", "10"], "bench manager: --entries: between 64 and"),
-    (["manager", "--seconds", "soon"], "bench manager: --seconds: not a number"),
-    (["load", "--chunk-size", "big"], "bench load: --chunk-size: not a size"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["peers", "--sizes", "1KiB"], "bench peers: --sizes: from 4KiB to 64MiB"),
+        (["peers", "--systems", "memcached"], "bench peers: --systems: choose from"),
+        (["peers", "--total", "lots"], "bench peers: --total: not a size"),
+        (["datapath", "--concurrency", "0"], "bench datapath: --concurrency: between 1 and 64"),
+        (["disk", "--parts", "everything"], "bench disk: --parts: choose from"),
+        (["manager", "--entries", "10"], "bench manager: --entries: between 64 and"),
+        (["manager", "--seconds", "soon"], "bench manager: --seconds: not a number"),
+        (["load", "--chunk-size", "big"], "bench load: --chunk-size: not a size"),
+    ],
+)
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) -> None:
     result = bench(*args, timeout=30)
     assert result.returncode == 2, result.stderr
@@ -46,8 +55,21 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) ->
 def test_peers_tiny_run_verifies_every_system(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     png = tmp_path / "peers.png"
-    result = bench("peers", "--sizes", "256KiB,1MiB", "--total", "4MiB", "--rounds", "1",
-                   "--concurrency", "2", "--json", str(out), "--plot", str(png))
+    result = bench(
+        "peers",
+        "--sizes",
+        "256KiB,1MiB",
+        "--total",
+        "4MiB",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "2",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     doc = json.loads(out.read_bytes())
     rows = {(r["system"], r["size"], r["op"]): r for r in doc["rows"]}
@@ -70,19 +92,38 @@ def test_peers_tiny_run_verifies_every_system(tmp_path: Path) -> None:
 
 def test_datapath_tiny_run_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "datapath.json"
-    result = bench("datapath", "--sizes", "1MiB", "--concurrency", "1", "--total", "8MiB",
-                   "--memory", "32MiB", "--json", str(out))
+    result = bench(
+        "datapath",
+        "--sizes",
+        "1MiB",
+        "--concurrency",
+        "1",
+        "--total",
+        "8MiB",
+        "--memory",
+        "32MiB",
+        "--json",
+        str(out),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     doc = json.loads(out.read_bytes())
     assert {(r["transport"], r["op"]) for r in doc["rows"]} == {
-        ("tcp", "store"), ("tcp", "load"), ("shm", "store"), ("shm", "load")}
-    assert all(r["ours"] and not any("BYTES" in n or "hit" in n for n in r["notes"]) for r in doc["rows"])
+        ("tcp", "store"),
+        ("tcp", "load"),
+        ("shm", "store"),
+        ("shm", "load"),
+    }
+    assert all(
+        r["ours"] and not any("BYTES" in n or "hit" in n for n in r["notes"]) for r in doc["rows"]
+    )
 
 
 @pytest.mark.slow
 def test_manager_tiny_run_restarts_with_every_entry(tmp_path: Path) -> None:
     out = tmp_path / "manager.json"
-    result = bench("manager", "--entries", "2048", "--seconds", "0.3", "--rounds", "1", "--json", str(out))
+    result = bench(
+        "manager", "--entries", "2048", "--seconds", "0.3", "--rounds", "1", "--json", str(out)
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     doc = json.loads(out.read_bytes())
     assert {r["op"] for r in doc["rows"]} == {"lookup", "allocate"}
@@ -104,15 +145,24 @@ class _Corrupting(Peer):
     def load(self, bufs: Buffers, n: int, tag: int) -> tuple[float, int, bool]:
         bufs.dst[:] = bufs.src
         bufs.dst[n * bufs.size // 2] ^= 1
-        return 0.01, n, all(bufs.same(start, count) for calls in batches(bufs.size, n, 2)
-                            for start, count in calls)
+        return (
+            0.01,
+            n,
+            all(
+                bufs.same(start, count)
+                for calls in batches(bufs.size, n, 2)
+                for start, count in calls
+            ),
+        )
 
 
 def test_a_differing_byte_is_reported() -> None:
     from polarkv_lib.tools.bench.limits import RawServer
 
     bufs = Buffers(64 * 1024, 8)
-    rows = {("corrupting", op, bufs.size): Row("corrupting", bufs.size, op) for op in ("store", "load")}
+    rows = {
+        ("corrupting", op, bufs.size): Row("corrupting", bufs.size, op) for op in ("store", "load")
+    }
     server = RawServer()
     try:
         _round([_Corrupting()], server, bufs, 8, 2, rows, iter(range(1, 10)), {})

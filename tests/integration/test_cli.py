@@ -14,35 +14,47 @@ from pathlib import Path
 import pytest
 
 from polarkv_lib.node.buffer import buffer_path
-from tests.conftest import ROOT, Cluster, http
+from tests.conftest import ROOT, Cluster, assert_usage_error, http
 
 POLARKV = [sys.executable, str(ROOT / "polarkv.py")]
 
 
-def run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*POLARKV, *args], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, **(env or {})}, cwd=cwd, check=False)
+def run(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*POLARKV, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        check=False,
+    )
 
 
-@pytest.mark.parametrize("args,env,message", [
-    (["--set", "manager.nope=1"], {}, "unknown config key 'manager.nope'"),
-    (["--set", "slab.memory=lots"], {}, "slab.memory: not a size: 'lots'"),
-    (["--set", "manager.read_lease=5 parsecs"], {}, "manager.read_lease: not a duration"),
-    (["--set", "nosection.key=1"], {}, "unknown config section 'nosection'"),
-    (["--set", "justtext"], {}, "expected section.key=value"),
-    ([], {"POLARKV_CLIENT__TIMEOUT": "-"}, "client.timeout: not a duration"),
-    ([], {"POLARKV_MANAGER__BOGUS": "1"}, "unknown config key 'manager.bogus'"),
-    (["--set", "manager.memory_low_watermark=0.95"], {}, "manager.memory_low_watermark"),
-    (["--set", "client.transport=carrier-pigeon"], {}, "client.transport"),
-    (["--config", "/nonexistent/polarkv.toml"], {}, "--config /nonexistent/polarkv.toml"),
-    (["--role", "disk"], {}, "the disk role shares the slab's buffer in one process"),
-    (["--role", "manager", "--role", "disk"], {}, "use --role slab --role disk"),
-])
-def test_bad_config_is_one_line_and_nonzero(args: list[str], env: dict[str, str], message: str) -> None:
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (["--set", "manager.nope=1"], {}, "unknown config key 'manager.nope'"),
+        (["--set", "slab.memory=lots"], {}, "slab.memory: not a size: 'lots'"),
+        (["--set", "manager.read_lease=5 parsecs"], {}, "manager.read_lease: not a duration"),
+        (["--set", "nosection.key=1"], {}, "unknown config section 'nosection'"),
+        (["--set", "justtext"], {}, "expected section.key=value"),
+        ([], {"POLARKV_CLIENT__TIMEOUT": "-"}, "client.timeout: not a duration"),
+        ([], {"POLARKV_MANAGER__BOGUS": "1"}, "unknown config key 'manager.bogus'"),
+        (["--set", "manager.memory_low_watermark=0.95"], {}, "manager.memory_low_watermark"),
+        (["--set", "client.transport=carrier-pigeon"], {}, "client.transport"),
+        (["--config", "/nonexistent/polarkv.toml"], {}, "--config /nonexistent/polarkv.toml"),
+        (["--role", "disk"], {}, "the disk role shares the slab's buffer in one process"),
+        (["--role", "manager", "--role", "disk"], {}, "use --role slab --role disk"),
+    ],
+)
+def test_bad_config_is_one_line_and_nonzero(
+    args: list[str], env: dict[str, str], message: str
+) -> None:
     done = run(*args, env=env)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert_usage_error(done, message)
 
 
 def test_bad_toml_file(tmp_path: Path) -> None:
@@ -50,7 +62,7 @@ def test_bad_toml_file(tmp_path: Path) -> None:
     bad.write_text("[manager]\nlisten = \n")
     done = run("--config", str(bad))
     assert done.returncode == 2 and "not valid TOML" in done.stderr
-    bad.write_text("[slab]\nmemory = \"12 furlongs\"\n")
+    bad.write_text('[slab]\nmemory = "12 furlongs"\n')
     done = run("--config", str(bad))
     assert done.returncode == 2 and "slab.memory" in done.stderr
 
@@ -58,8 +70,15 @@ def test_bad_toml_file(tmp_path: Path) -> None:
 def test_unwritable_disk_path_names_the_key(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    done = run("--set", "manager.listen=127.0.0.1:0", "--set", "slab.listen=127.0.0.1:0",
-               "--set", f"disk.paths={blocker}/disk", cwd=tmp_path)
+    done = run(
+        "--set",
+        "manager.listen=127.0.0.1:0",
+        "--set",
+        "slab.listen=127.0.0.1:0",
+        "--set",
+        f"disk.paths={blocker}/disk",
+        cwd=tmp_path,
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]  # one line
     assert "disk.paths" in done.stderr and "not writable" in done.stderr
@@ -75,16 +94,27 @@ def test_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> No
 
 def test_refuses_a_token_without_an_admin_token_beyond_loopback(tmp_path: Path) -> None:
     """Otherwise every client could register a node and take the grant key."""
-    done = run("--role", "manager", "--set", "manager.listen=0.0.0.0:0", "--set", "security.token=t0ken",
-               cwd=tmp_path)
+    done = run(
+        "--role",
+        "manager",
+        "--set",
+        "manager.listen=0.0.0.0:0",
+        "--set",
+        "security.token=t0ken",
+        cwd=tmp_path,
+    )
     assert done.returncode == 2
     assert "security.admin_token" in done.stderr and "grant key" in done.stderr
 
 
-@pytest.mark.parametrize("extra", [["--insecure"], ["--set", "security.token=t0ken",
-                                                    "--set", "security.admin_token=4dmin"]])
+@pytest.mark.parametrize(
+    "extra",
+    [["--insecure"], ["--set", "security.token=t0ken", "--set", "security.admin_token=4dmin"]],
+)
 def test_beyond_loopback_with_a_token_or_insecure(cluster: Cluster, extra: list[str]) -> None:
-    node = cluster.start(["manager"], {"manager.listen": "0.0.0.0:0"}, name="open", extra_args=extra)
+    node = cluster.start(
+        ["manager"], {"manager.listen": "0.0.0.0:0"}, name="open", extra_args=extra
+    )
     port = node.manager_url.rpartition(":")[2]
     assert http("GET", f"http://127.0.0.1:{port}/healthz")[0] == 200
 
@@ -94,12 +124,22 @@ def test_port_in_use_names_the_key(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = run("--set", f"manager.listen=127.0.0.1:{port}", "--set", "slab.listen=127.0.0.1:0",
-                   cwd=tmp_path)
+        done = run(
+            "--set",
+            f"manager.listen=127.0.0.1:{port}",
+            "--set",
+            "slab.listen=127.0.0.1:0",
+            cwd=tmp_path,
+        )
         assert done.returncode == 2
         assert "manager.listen: cannot listen on" in done.stderr and "in use" in done.stderr
-        done = run("--set", "manager.listen=127.0.0.1:0", "--set", f"slab.listen=127.0.0.1:{port}",
-                   cwd=tmp_path)
+        done = run(
+            "--set",
+            "manager.listen=127.0.0.1:0",
+            "--set",
+            f"slab.listen=127.0.0.1:{port}",
+            cwd=tmp_path,
+        )
         assert done.returncode == 2 and "slab.listen" in done.stderr
 
 

@@ -28,10 +28,10 @@ def raw_sockets(
     try:
         for _ in range(n):
             sock = socket.socket()
+            socks.append(sock)  # before connect: a refused connect must still be closed
             if source:
                 sock.bind((source, 0))
             sock.connect(address)
-            socks.append(sock)
         yield socks
     finally:
         for sock in socks:

@@ -43,8 +43,13 @@ def k8s_quantity(text: str) -> int:
 
 
 def test_manifests_validate_against_the_kubernetes_schemas() -> None:
-    assert {p.name for p in MANIFESTS} >= {"config.yaml", "secret.yaml", "node.yaml",
-                                           "manager-shard-0.yaml", "manager-shard-1.yaml"}
+    assert {p.name for p in MANIFESTS} >= {
+        "config.yaml",
+        "secret.yaml",
+        "node.yaml",
+        "manager-shard-0.yaml",
+        "manager-shard-1.yaml",
+    }
     version = kubernetes_validate.latest_version()
     for doc in documents():
         kubernetes_validate.validate(doc, version, strict=True)  # raises on any error
@@ -70,7 +75,9 @@ def _container_config(workload: dict[str, Any], tmp_path: Path) -> tuple[Config,
     env: dict[str, str] = {}
     for var in container.get("env", []):
         if "value" in var:
-            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"])
+            env[var["name"]] = re.sub(
+                r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"]
+            )
         elif "secretKeyRef" in var["valueFrom"]:
             env[var["name"]] = secret[var["valueFrom"]["secretKeyRef"]["key"]]
         else:  # downward API: a stand-in of the same shape
@@ -92,15 +99,25 @@ def test_every_workload_gets_a_config_polarkv_accepts(tmp_path: Path) -> None:
         config, roles = _container_config(sts, tmp_path)
         assert roles == ["manager"] and sts["spec"]["replicas"] == 1
         assert config.security.token and config.security.admin_token and config.security.grant_key
-        shard = Shard.parse(next(v["value"] for v in sts["spec"]["template"]["spec"]["containers"][0]["env"]
-                                 if v["name"] == "POLARKV_MANAGER__SHARD"))
+        shard = Shard.parse(
+            next(
+                v["value"]
+                for v in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+                if v["name"] == "POLARKV_MANAGER__SHARD"
+            )
+        )
         shards.append((shard.index, sts["metadata"]["name"], config))
         # its metadata survives the pod: a volume (SQLite) or PostgreSQL
         if config.manager.metadata_url.startswith("sqlite:"):
             db_dir = str(Path(config.manager.metadata_url.removeprefix("sqlite:///")).parent)
-            mounts = {m["mountPath"]: m["name"] for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+            mounts = {
+                m["mountPath"]: m["name"]
+                for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+            }
             claims = [c["metadata"]["name"] for c in sts["spec"].get("volumeClaimTemplates", [])]
-            assert mounts.get(db_dir) in claims, f"{sts['metadata']['name']}: {db_dir} is not on a volume"
+            assert mounts.get(db_dir) in claims, (
+                f"{sts['metadata']['name']}: {db_dir} is not on a volume"
+            )
         else:
             assert config.manager.metadata_url.startswith("postgresql://")
     shards.sort()

@@ -40,7 +40,12 @@ def test_offload_reload_round_trip(tmp_path: Path, o_direct: bool, size: int) ->
     # a fresh process finds it again
     again = DiskStore((str(tmp_path),), 1 << 30, o_direct)
     (info,) = again.scan()
-    assert (info.key, info.size, info.checksum, info.file_bytes) == (KEY, size, checksum, file_bytes)
+    assert (info.key, info.size, info.checksum, info.file_bytes) == (
+        KEY,
+        size,
+        checksum,
+        file_bytes,
+    )
 
 
 def test_scan_keeps_verified_files_and_removes_the_rest(tmp_path: Path) -> None:
@@ -50,16 +55,20 @@ def test_scan_keeps_verified_files_and_removes_the_rest(tmp_path: Path) -> None:
     src[: len(data)] = data
     store.offload(KEY, src, len(data), xxhash.xxh3_64_hexdigest(data))
     good = tmp_path / KEY[:2] / KEY[2:4] / KEY
-    junk = [tmp_path / "aa" / "bb" / ("aabb" + "0" * 28 + ".123.tmp"),  # a crash mid-write
-            tmp_path / "zz" / "not-a-key",
-            tmp_path / "ff" / "ee" / ("ffee" + "1" * 28)]  # a key name with no valid header
+    junk = [
+        tmp_path / "aa" / "bb" / ("aabb" + "0" * 28 + ".123.tmp"),  # a crash mid-write
+        tmp_path / "zz" / "not-a-key",
+        tmp_path / "ff" / "ee" / ("ffee" + "1" * 28),
+    ]  # a key name with no valid header
     for path in junk:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x" * 5000)
     short = tmp_path / "12" / "34" / ("1234" + "2" * 28)  # header says more than the file has
     short.parent.mkdir(parents=True, exist_ok=True)
-    short.write_bytes(good.read_bytes()[:HEADER_SIZE].replace(bytes.fromhex(KEY), bytes.fromhex(short.name))
-                      + b"y" * 10)
+    short.write_bytes(
+        good.read_bytes()[:HEADER_SIZE].replace(bytes.fromhex(KEY), bytes.fromhex(short.name))
+        + b"y" * 10
+    )
     found = DiskStore((str(tmp_path),), 1 << 30, False).scan()
     assert [f.key for f in found] == [KEY]
     assert good.exists() and not any(p.exists() for p in [*junk, short])

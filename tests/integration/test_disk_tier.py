@@ -108,9 +108,11 @@ def _metric(url: str, pattern: str) -> float:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
-def test_damaged_file_is_a_miss_never_wrong_bytes(cluster: Cluster, tmp_path: Path, damage: str) -> None:
+def test_damaged_file_is_a_miss_never_wrong_bytes(
+    cluster: Cluster, tmp_path: Path, damage: str
+) -> None:
     node = cluster.embedded(disk=True, slab__memory="16MiB")
-    url, disk = node.manager_url, Path(node.workdir / f"{node.name}-disk")
+    url, disk = node.manager_url, Path(node.workdir) / "disk"
     with PolarKVClient(url, chunk_tokens=CT, timeout=5) as c:
         chunks = [os.urandom(MiB) for _ in range(4)]
         assert c.store_kv(prompt(1, 4), chunks) == 4
@@ -145,14 +147,18 @@ def test_damaged_file_is_a_miss_never_wrong_bytes(cluster: Cluster, tmp_path: Pa
 def test_full_filesystem_degrades_to_eviction(cluster: Cluster, tmp_path: Path) -> None:
     small = tmp_path / "small-fs"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(small)],
-                             capture_output=True, check=False)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(small)],
+        capture_output=True,
+        check=False,
+    )
     if mounted.returncode != 0:
         pytest.fail(f"this test needs root to mount a small tmpfs: {mounted.stderr.decode()}")
     try:
         # the configured budget is far above what the filesystem can hold
-        node = cluster.embedded(disk=True, slab__memory="16MiB", disk__paths=str(small),
-                                disk__capacity="1GiB")
+        node = cluster.embedded(
+            disk=True, slab__memory="16MiB", disk__paths=str(small), disk__capacity="1GiB"
+        )
         url = node.manager_url
         with PolarKVClient(url, chunk_tokens=CT, timeout=5) as c:
             for conv in range(8):  # 64 MiB through 16 MiB of memory and 12 MiB of disk
@@ -165,13 +171,18 @@ def test_full_filesystem_degrades_to_eviction(cluster: Cluster, tmp_path: Path) 
             served = sum(c.load_kv(prompt(conv, 8))[0] // CT for conv in range(8))
             assert 8 <= served < 64
             assert c.stats.faults == 0
+
         def files() -> list[Path]:
             return [f for f in small.rglob("*") if f.is_file() and not f.name.endswith(".tmp")]
 
         # once tiering has settled, the stats describe exactly the files on the disk
-        wait_for(lambda: stats(url)["bytes_offloading"] == 0
-                 and stats(url)["keys_disk"] == len(files())
-                 and stats(url)["bytes_disk"] == sum(f.stat().st_size for f in files()))
+        wait_for(
+            lambda: (
+                stats(url)["bytes_offloading"] == 0
+                and stats(url)["keys_disk"] == len(files())
+                and stats(url)["bytes_disk"] == sum(f.stat().st_size for f in files())
+            )
+        )
         assert node.proc.poll() is None
         node.close()
     finally:
@@ -192,8 +203,11 @@ def test_two_nodes_never_tier_through_each_other(cluster: Cluster) -> None:
             _push_out(c, conv, 8)
         for conv in range(12):
             assert c.load_kv(prompt(conv, 8))[0] == 8 * CT
-    wait_for(lambda: all(n["reported"].get("reloads", 0) > 0
-                         for n in http("GET", url + "/v1/nodes")[1]["nodes"]))
+    wait_for(
+        lambda: all(
+            n["reported"].get("reloads", 0) > 0 for n in http("GET", url + "/v1/nodes")[1]["nodes"]
+        )
+    )
     nodes = {n["id"]: n for n in http("GET", url + "/v1/nodes")[1]["nodes"]}
     for proc in (a, b):
         reported = nodes[proc.info["node_id"]]["reported"]
@@ -208,7 +222,9 @@ def test_two_nodes_never_tier_through_each_other(cluster: Cluster) -> None:
         peers = {c.raddr.port for c in conns if c.raddr}
         assert _data_ports(other) not in peers
         manager_port = int(url.rpartition(":")[2])
-        assert peers <= {manager_port} | {c.raddr.port for c in conns if c.raddr and c.laddr.port == _data_ports(proc)}
+        assert peers <= {manager_port} | {
+            c.raddr.port for c in conns if c.raddr and c.laddr.port == _data_ports(proc)
+        }
 
 
 def test_striping_spreads_files_over_paths(cluster: Cluster, tmp_path: Path) -> None:
@@ -223,8 +239,13 @@ def test_striping_spreads_files_over_paths(cluster: Cluster, tmp_path: Path) -> 
         return [f for f in volume.rglob("*") if f.is_file() and not f.name.endswith(".tmp")]
 
     # once tiering has settled, the files on both volumes are exactly the disk entries
-    wait_for(lambda: stats(url)["keys_disk"] >= 16 and stats(url)["bytes_offloading"] == 0
-             and len(files(one)) + len(files(two)) == stats(url)["keys_disk"])
+    wait_for(
+        lambda: (
+            stats(url)["keys_disk"] >= 16
+            and stats(url)["bytes_offloading"] == 0
+            and len(files(one)) + len(files(two)) == stats(url)["keys_disk"]
+        )
+    )
     in_one, in_two = files(one), files(two)
     assert len(in_one) >= 4 and len(in_two) >= 4
     assert not {f.name for f in in_one} & {f.name for f in in_two}
@@ -234,7 +255,7 @@ def test_delete_removes_the_file_and_restart_adopts_the_rest(cluster: Cluster) -
     manager = cluster.manager()
     url = manager.manager_url
     slab = cluster.slab_disk(url, slab__memory="16MiB", slab__node_id="vm-1")
-    disk = Path(slab.workdir / f"{slab.name}-disk")
+    disk = Path(slab.workdir) / "disk"
     with PolarKVClient(url, chunk_tokens=CT, timeout=5) as c:
         chunks = [os.urandom(MiB) for _ in range(8)]
         assert c.store_kv(prompt(1, 8), chunks) == 8
@@ -247,8 +268,16 @@ def test_delete_removes_the_file_and_restart_adopts_the_rest(cluster: Cluster) -
         wait_for(lambda: stats(url)["nodes"] == 0)
         assert c.load_kv(prompt(1, 8)) == (0, [])
         # the same VM comes back with the same disk: its verified files serve again
-        cluster.start(["slab", "disk"], {"slab.manager_url": url, "slab.memory": "16MiB",
-                                         "slab.node_id": "vm-1", "disk.paths": str(disk)}, name="again")
+        cluster.start(
+            ["slab", "disk"],
+            {
+                "slab.manager_url": url,
+                "slab.memory": "16MiB",
+                "slab.node_id": "vm-1",
+                "disk.paths": str(disk),
+            },
+            name="again",
+        )
         wait_for(lambda: stats(url)["keys_disk"] > 0)
         n_tokens, views = c.load_kv(prompt(1, 8))
         assert n_tokens == 7 * CT  # chunk 7 was deleted

@@ -19,15 +19,24 @@ CHUNKS, CHUNK_BYTES = 64, 4 << 20
 
 
 def run_client(*args: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, CLIENT, *args], capture_output=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, CLIENT, *args], capture_output=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr.decode()
     return dict(orjson.loads(done.stdout))
 
 
-@pytest.mark.parametrize("layout,transport", [
-    ("split", "tcp"), ("split", "shm"), ("embedded", "auto"),
-])
-def test_store_in_one_process_load_in_another(cluster: Cluster, layout: str, transport: str) -> None:
+@pytest.mark.parametrize(
+    "layout,transport",
+    [
+        ("split", "tcp"),
+        ("split", "shm"),
+        ("embedded", "auto"),
+    ],
+)
+def test_store_in_one_process_load_in_another(
+    cluster: Cluster, layout: str, transport: str
+) -> None:
     memory = {"slab__memory": "300MiB"}
     if layout == "split":
         manager = cluster.manager()
@@ -52,11 +61,13 @@ def test_longest_prefix_and_namespaces(cluster: Cluster) -> None:
     ct = 8
     tokens = list(range(10 * ct + 3))  # 10 full chunks and a partial one (never keyed)
     chunks = [os.urandom(1000 + i) for i in range(10)]
-    with PolarKVClient(url, namespace="model-a", chunk_tokens=ct) as a, \
-            PolarKVClient(url, namespace="model-b", chunk_tokens=ct) as b:
+    with (
+        PolarKVClient(url, namespace="model-a", chunk_tokens=ct) as a,
+        PolarKVClient(url, namespace="model-b", chunk_tokens=ct) as b,
+    ):
         assert a.store_kv(tokens, chunks) == 10
         for k in (0, 1, 4, 9):
-            prompt = tokens[: k * ct] + [7] * ct + tokens[(k + 1) * ct:]  # diverges in chunk k
+            prompt = tokens[: k * ct] + [7] * ct + tokens[(k + 1) * ct :]  # diverges in chunk k
             n_tokens, views = a.load_kv(prompt)
             assert n_tokens == k * ct
             assert [bytes(v) for v in views] == chunks[:k]

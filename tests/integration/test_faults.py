@@ -51,7 +51,9 @@ def test_killed_slab_means_misses(cluster: Cluster) -> None:
 def test_killed_or_hung_manager_means_misses(cluster: Cluster) -> None:
     node = cluster.embedded()
     tokens, chunks = _prompt(4)
-    with PolarKVClient(node.manager_url, chunk_tokens=CT, timeout=TIMEOUT, breaker_interval=0.5) as c:
+    with PolarKVClient(
+        node.manager_url, chunk_tokens=CT, timeout=TIMEOUT, breaker_interval=0.5
+    ) as c:
         assert c.store_kv(tokens, chunks) == 4
         os.kill(node.proc.pid, signal.SIGSTOP)  # hung: accepts nothing, answers nothing
         try:
@@ -84,7 +86,9 @@ def test_client_against_nothing(cluster: Cluster) -> None:
 def test_breaker_makes_a_dead_manager_cost_one_timeout(cluster: Cluster) -> None:
     node = cluster.embedded()
     tokens, chunks = _prompt(2)
-    with PolarKVClient(node.manager_url, chunk_tokens=CT, timeout=TIMEOUT, breaker_interval=3.0) as c:
+    with PolarKVClient(
+        node.manager_url, chunk_tokens=CT, timeout=TIMEOUT, breaker_interval=3.0
+    ) as c:
         assert c.store_kv(tokens, chunks) == 2
         os.kill(node.proc.pid, signal.SIGSTOP)
         try:
@@ -93,7 +97,9 @@ def test_breaker_makes_a_dead_manager_cost_one_timeout(cluster: Cluster) -> None
             assert first >= TIMEOUT * 0.4  # the first call pays a (server-wait bounded) timeout
             for _ in range(20):  # the rest fail fast while the breaker is open
                 result, took = _timed(c.load_kv, tokens)
-                assert result == (0, []) and took < 0.25  # no network wait: far under the 1 s timeout
+                assert (
+                    result == (0, []) and took < 0.25
+                )  # no network wait: far under the 1 s timeout
         finally:
             os.kill(node.proc.pid, signal.SIGCONT)
         # once the interval has passed, the breaker lets a probe through: hits again
@@ -103,15 +109,17 @@ def test_breaker_makes_a_dead_manager_cost_one_timeout(cluster: Cluster) -> None
 
 def test_pooled_connection_to_a_restarted_manager(cluster: Cluster, tmp_path: Path) -> None:
     port = free_port()
-    settings = {"manager.listen": f"127.0.0.1:{port}", "slab.listen": "127.0.0.1:0",
-                "manager.metadata_url": f"sqlite:///{tmp_path / 'meta.db'}"}
+    settings = {
+        "manager.listen": f"127.0.0.1:{port}",
+        "slab.listen": "127.0.0.1:0",
+        "manager.metadata_url": f"sqlite:///{tmp_path / 'meta.db'}",
+    }
     node = cluster.start(["manager", "slab"], settings, name="first")
     tokens, chunks = _prompt(2)
     with PolarKVClient(node.manager_url, chunk_tokens=CT, timeout=TIMEOUT) as c:
         assert c.store_kv(tokens, chunks) == 2  # leaves a pooled keep-alive connection
-        node.terminate()
+        node.stop()
         cluster.start(["manager", "slab"], settings, name="second")
         # the first request after the restart works: no stale-connection miss
         assert c.store_kv(*_prompt(2, first=500)) == 2
         assert c.stats.faults == 0
-

@@ -37,7 +37,7 @@ def test_every_line_is_json_from_start_to_shutdown(cluster: Cluster) -> None:
         with socket.create_connection((host, int(port)), timeout=5) as sock:
             sock.sendall(garbage)
             assert sock.recv(64).startswith(b"HTTP/1.0 400")
-    assert node.terminate() == 0
+    assert node.stop() == 0
     lines = [line for line in node.log().splitlines() if line.strip()]
     events = []
     for line in lines:

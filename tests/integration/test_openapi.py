@@ -19,10 +19,17 @@ from tests.integration.raw import key, post
 
 def test_every_route_is_described_and_nothing_else() -> None:
     service = ManagerService(Config())
-    served = {(r.resource.canonical, r.method.lower())  # type: ignore[union-attr]
-              for r in service.app.router.routes() if r.method != "HEAD"}
-    described = {(path, method) for path, ops in openapi_spec()["paths"].items()
-                 for method in ops if method != "parameters"}
+    served = {
+        (r.resource.canonical, r.method.lower())  # type: ignore[union-attr]
+        for r in service.app.router.routes()
+        if r.method != "HEAD"
+    }
+    described = {
+        (path, method)
+        for path, ops in openapi_spec()["paths"].items()
+        for method in ops
+        if method != "parameters"
+    }
     assert served == described
 
 
@@ -55,10 +62,16 @@ def test_replies_match_the_document(url: str) -> None:
     data = os.urandom(3000)
     k = key(42)
     check("GET", "/healthz", "/healthz")
-    allocated = check("POST", "/v1/allocate", "/v1/allocate", {"items": [{"key": k, "size": len(data)}]})
+    allocated = check(
+        "POST", "/v1/allocate", "/v1/allocate", {"items": [{"key": k, "size": len(data)}]}
+    )
     check("POST", "/v1/renew", "/v1/renew", {"leases": [allocated["lease"]]})
-    check("POST", "/v1/commit", "/v1/commit",
-          {"lease": allocated["lease"], "items": [{"key": k, "checksum": checksum(data)}]})
+    check(
+        "POST",
+        "/v1/commit",
+        "/v1/commit",
+        {"lease": allocated["lease"], "items": [{"key": k, "checksum": checksum(data)}]},
+    )
     check("POST", "/v1/allocate", "/v1/allocate", {"items": [{"key": k, "size": len(data)}]})
     hit = check("POST", "/v1/lookup", "/v1/lookup", {"keys": [k, key(43)]})
     check("POST", "/v1/lookup", "/v1/lookup", {"keys": [k], "lease": False})
@@ -70,7 +83,13 @@ def test_replies_match_the_document(url: str) -> None:
     check("GET", f"/v1/keys/{k}", "/v1/keys/{key}")
     check("GET", f"/v1/keys/{key(45)}", "/v1/keys/{key}", expect=404)
     check("GET", "/v1/keys/bad", "/v1/keys/{key}", expect=400)
-    check("POST", "/v1/nodes/heartbeat", "/v1/nodes/heartbeat", {"node_id": "x", "incarnation": 1}, 404)
+    check(
+        "POST",
+        "/v1/nodes/heartbeat",
+        "/v1/nodes/heartbeat",
+        {"node_id": "x", "incarnation": 1},
+        404,
+    )
     check("DELETE", f"/v1/keys/{k}", "/v1/keys/{key}")
     status, text = http("GET", url + "/metrics")
     assert status == 200 and re.search(r"^polarkv_commits_total 1\.0$", text, re.M)

@@ -3,39 +3,21 @@ surviving slab holds in memory and what its disk holds, from SQLite or PostgreSQ
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import sqlite3
 import subprocess
-from collections.abc import Iterator
-
-import pytest
 
 from polarkv_lib.client import PolarKVClient
-from tests.conftest import Cluster, PolarKV, free_port, http, stats, wait_for
+from tests.conftest import PG, Cluster, PolarKV, free_port, http, pg, stats, wait_for
 from tests.conftest import prompt as shared_prompt
 
 MiB = 1 << 20
 CT = 4
-PG = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 def prompt(conv: int, chunks: int) -> list[int]:
     return shared_prompt(conv, chunks, CT)
-
-
-async def _pg(sql: str) -> list[tuple[object, ...]]:
-    import asyncpg
-    conn = await asyncpg.connect(PG)
-    try:
-        return [tuple(r) for r in await conn.fetch(sql)]
-    finally:
-        await conn.close()
-
-
-def pg(sql: str) -> list[tuple[object, ...]]:
-    return asyncio.run(_pg(sql))
 
 
 def _rows(metadata_url: str) -> int:
@@ -52,26 +34,22 @@ def _rows(metadata_url: str) -> int:
             return 0
 
 
-@pytest.fixture
-def clean_pg() -> Iterator[None]:
-    pg("DROP TABLE IF EXISTS polarkv_entries, polarkv_nodes")
-    yield
-    pg("DROP TABLE IF EXISTS polarkv_entries, polarkv_nodes")
-
-
 def _manager(cluster: Cluster, port: int, url: str, name: str) -> PolarKV:
-    return cluster.start(["manager"], {"manager.listen": f"127.0.0.1:{port}", "manager.metadata_url": url,
-                                       "manager.metadata_flush": "100ms", "manager.heartbeat_ttl": "1s"},
-                         name=name)
+    return cluster.start(
+        ["manager"],
+        {
+            "manager.listen": f"127.0.0.1:{port}",
+            "manager.metadata_url": url,
+            "manager.metadata_flush": "100ms",
+            "manager.heartbeat_ttl": "1s",
+        },
+        name=name,
+    )
 
 
-@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
-def test_manager_restart_restores_memory_and_disk_entries(cluster: Cluster, store: str, request: pytest.FixtureRequest) -> None:
-    if store == "postgresql":
-        request.getfixturevalue("clean_pg")
-        metadata_url = PG
-    else:
-        metadata_url = f"sqlite:///{cluster.workdir / 'meta.db'}"
+def test_manager_restart_restores_memory_and_disk_entries(
+    cluster: Cluster, metadata_url: str
+) -> None:
     port = free_port()
     manager = _manager(cluster, port, metadata_url, "m1")
     url = manager.manager_url
@@ -85,7 +63,9 @@ def test_manager_restart_restores_memory_and_disk_entries(cluster: Cluster, stor
         wait_for(lambda: stats(url)["bytes_offloading"] == 0)  # tiering has settled
         before = stats(url)
         assert before["keys_disk"] > 0 and before["keys_memory"] > 0
-        wait_for(lambda: _rows(metadata_url) >= before["keys_memory"] + before["keys_disk"])  # flushed
+        wait_for(
+            lambda: _rows(metadata_url) >= before["keys_memory"] + before["keys_disk"]
+        )  # flushed
         manager.kill()  # kill -9: no goodbye, no final flush
         assert c.load_kv(prompt(4, 6)) == (0, [])  # down: a miss, nothing raised
         again = _manager(cluster, port, metadata_url, "m2")
@@ -111,8 +91,9 @@ def test_postgres_restart_under_the_manager(cluster: Cluster, clean_pg: None) ->
     with PolarKVClient(url, chunk_tokens=CT, timeout=5) as c:
         assert c.store_kv(prompt(1, 4), [os.urandom(1000) for _ in range(4)]) == 4
         wait_for(lambda: pg("SELECT count(*) FROM polarkv_entries")[0][0] == 4)
-        cluster_name = subprocess.run(["bash", "-c", "ls /etc/postgresql"], capture_output=True,
-                                      text=True, check=True).stdout.split()[0]
+        cluster_name = subprocess.run(
+            ["bash", "-c", "ls /etc/postgresql"], capture_output=True, text=True, check=True
+        ).stdout.split()[0]
         pg_ctl = ["pg_ctlcluster", "--skip-systemctl-redirect", cluster_name, "main"]
         subprocess.run([*pg_ctl, "stop", "-m", "fast"], check=True, timeout=60)
         try:

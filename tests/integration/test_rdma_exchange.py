@@ -34,13 +34,15 @@ def _exchange(address: str, payload: bytes) -> tuple[frames.Status, bytes, bytes
         while chunk := sock.recv(65536):  # the slab closes after a refusal
             data += chunk
     status, length = frames.decode_response(data[: frames.RESPONSE_SIZE])
-    body = data[frames.RESPONSE_SIZE: frames.RESPONSE_SIZE + length]
-    return status, body, data[frames.RESPONSE_SIZE + length:]
+    body = data[frames.RESPONSE_SIZE : frames.RESPONSE_SIZE + length]
+    return status, body, data[frames.RESPONSE_SIZE + length :]
 
 
 def test_slab_without_rdma_refuses_a_hello_and_keeps_serving(cluster: Cluster) -> None:
     node = cluster.embedded()
-    nodes = post(node.manager_url, "/v1/allocate", {"items": [{"key": key(1), "size": 10}]})["nodes"]
+    nodes = post(node.manager_url, "/v1/allocate", {"items": [{"key": key(1), "size": 10}]})[
+        "nodes"
+    ]
     assert all("rdma" not in n["transports"] for n in nodes.values())  # not advertised
     status, reason, rest = _exchange(node.slab_address, HELLO)
     assert status is frames.Status.BAD_REQUEST and reason and rest == b""
@@ -54,8 +56,13 @@ def test_auto_client_process_writes_nothing_to_stderr(cluster: Cluster) -> None:
     # auto must not import pyverbs (which configures logging) or log a fallback line
     # for slabs that do not offer rdma: engines and JSON-logging CLIs own stderr.
     url = cluster.embedded().manager_url
-    for args in (("store", url, "quiet", "auto", "4", "65536"), ("load", url, "quiet", "auto", "4")):
-        done = subprocess.run([sys.executable, CLIENT, *args], capture_output=True, timeout=60, check=False)
+    for args in (
+        ("store", url, "quiet", "auto", "4", "65536"),
+        ("load", url, "quiet", "auto", "4"),
+    ):
+        done = subprocess.run(
+            [sys.executable, CLIENT, *args], capture_output=True, timeout=60, check=False
+        )
         assert done.returncode == 0 and done.stderr == b"", done.stderr.decode()
     assert orjson.loads(done.stdout)["n_tokens"] == 4 * 16
 

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.conftest import Cluster, http, wait_for
+from tests.conftest import Cluster, assert_usage_error, http, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC_TRACE = "traces/mooncake_conversation_trace.jsonl"
@@ -28,15 +28,25 @@ def public_trace() -> Path | None:
 def synthetic_lines(n: int) -> list[bytes]:
     """Multi-turn conversations: each turn repeats the whole previous prompt and adds
     blocks; every prompt starts with one shared system-prompt block (id 0)."""
-    lines, next_id, talks = [], 1, []
+    lines: list[bytes] = []
+    talks: list[list[int]] = []
+    next_id = 1
     for i in range(n):
         if i % 3 == 0 or not talks:
             talks.append([0])
         talk = talks[(i * 7) % len(talks)]
         talk.extend(range(next_id, next_id + 20 + i % 8))
         next_id += 20 + i % 8
-        lines.append(orjson.dumps({"timestamp": i * 10, "input_length": len(talk) * 512 - 100,
-                                   "output_length": 10, "hash_ids": talk}))
+        lines.append(
+            orjson.dumps(
+                {
+                    "timestamp": i * 10,
+                    "input_length": len(talk) * 512 - 100,
+                    "output_length": 10,
+                    "hash_ids": talk,
+                }
+            )
+        )
     return lines
 
 
@@ -61,7 +71,7 @@ def infinite_cache(requests: list[dict[str, Any]], route: int = 1) -> tuple[int,
     blocks = hits = 0
     for i, req in enumerate(requests):
         ids, cache = req["hash_ids"], seen[i % route]
-        prefixes = [tuple(ids[:k + 1]) for k in range(len(ids))]
+        prefixes = [tuple(ids[: k + 1]) for k in range(len(ids))]
         hit = 0
         while hit < len(ids) and prefixes[hit] in cache:
             hit += 1
@@ -72,8 +82,12 @@ def infinite_cache(requests: list[dict[str, Any]], route: int = 1) -> tuple[int,
 
 
 def replay(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "polarkv.py"), "replay", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "polarkv.py"), "replay", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_json(tmp_path: Path, *args: str, kv_bytes_per_token: int = 8) -> dict[str, Any]:
@@ -89,8 +103,19 @@ def test_hit_rate_equals_infinite_cache_rate(tmp_path: Path) -> None:
     blocks, hits, distinct = infinite_cache(requests)
     assert hits > 0
     plot = tmp_path / "replay.png"
-    s = run_json(tmp_path, "--trace", str(trace), "--embedded-roles", "manager,slab",
-                 "--set", "slab.memory=128MiB", "--plot", str(plot), "--prefill-s-per-token", "0.001")
+    s = run_json(
+        tmp_path,
+        "--trace",
+        str(trace),
+        "--embedded-roles",
+        "manager,slab",
+        "--set",
+        "slab.memory=128MiB",
+        "--plot",
+        str(plot),
+        "--prefill-s-per-token",
+        "0.001",
+    )
     assert s["requests"] == 400 and s["blocks"] == blocks
     assert s["hit_blocks"] == hits
     assert s["hit_rate"] == hits / blocks
@@ -113,9 +138,22 @@ def test_tiered_cache_serves_disk_hits_at_the_same_hit_rate(tmp_path: Path) -> N
     trace, requests = trace_slice(tmp_path, 300)
     blocks, hits, distinct = infinite_cache(requests)
     assert distinct * BLOCK_BYTES > 4 * 4 * 2**20
-    s = run_json(tmp_path, "--trace", str(trace), "--set", "slab.memory=4MiB",
-                 "--set", "disk.capacity=256MiB", "--load-bandwidth", "1GB/s",
-                 "--disk-bandwidth", "100MB/s", "--scale", "2", kv_bytes_per_token=16)
+    s = run_json(
+        tmp_path,
+        "--trace",
+        str(trace),
+        "--set",
+        "slab.memory=4MiB",
+        "--set",
+        "disk.capacity=256MiB",
+        "--load-bandwidth",
+        "1GB/s",
+        "--disk-bandwidth",
+        "100MB/s",
+        "--scale",
+        "2",
+        kv_bytes_per_token=16,
+    )
     assert s["block_bytes"] == BLOCK_BYTES
     assert s["hit_blocks"] == hits and s["blocks"] == blocks
     assert s["hit_blocks_disk"] > 0
@@ -128,8 +166,19 @@ def test_per_node_caches_round_robin(tmp_path: Path) -> None:
     blocks, hits, _ = infinite_cache(requests, route=2)
     _, shared_hits, _ = infinite_cache(requests)
     assert hits < shared_hits  # local caches lose the hits another node's cache holds
-    s = run_json(tmp_path, "--trace", str(trace), "--embedded-roles", "manager,slab",
-                 "--set", "slab.memory=64MiB", "--nodes", "2", "--route", "rr")
+    s = run_json(
+        tmp_path,
+        "--trace",
+        str(trace),
+        "--embedded-roles",
+        "manager,slab",
+        "--set",
+        "slab.memory=64MiB",
+        "--nodes",
+        "2",
+        "--route",
+        "rr",
+    )
     assert s["nodes"] == 2 and s["route"] == "rr"
     assert s["blocks"] == blocks and s["hit_blocks"] == hits
 
@@ -140,8 +189,14 @@ def test_replay_against_two_manager_shards(tmp_path: Path, cluster: Cluster) -> 
     grant = {"security__grant_key": "replay-test-grant-key-0123456789"}
     shards = [cluster.manager(manager__shard=f"{i}/2", **grant) for i in range(2)]
     urls = ",".join(m.manager_url for m in shards)
-    cluster.start(["slab"], {"slab.manager_url": urls, "slab.memory": "128MiB",
-                             "security.grant_key": grant["security__grant_key"]})
+    cluster.start(
+        ["slab"],
+        {
+            "slab.manager_url": urls,
+            "slab.memory": "128MiB",
+            "security.grant_key": grant["security__grant_key"],
+        },
+    )
     for m in shards:
         wait_for(lambda m=m: http("GET", m.manager_url + "/v1/stats")[1]["nodes"] == 1)
     trace, requests = trace_slice(tmp_path, 200)
@@ -158,39 +213,56 @@ def test_replay_with_a_token(tmp_path: Path) -> None:
     # use the token from the config (here the embedded service's own --set).
     trace, requests = trace_slice(tmp_path, 60)
     _, hits, _ = infinite_cache(requests)
-    s = run_json(tmp_path, "--trace", str(trace), "--embedded-roles", "manager,slab",
-                 "--set", "security.token=replay-secret-token-0123456789")
+    s = run_json(
+        tmp_path,
+        "--trace",
+        str(trace),
+        "--embedded-roles",
+        "manager,slab",
+        "--set",
+        "security.token=replay-secret-token-0123456789",
+    )
     assert s["hit_blocks"] == hits > 0 and s["client_faults"] == 0
 
 
 def test_time_scale_keeps_the_traces_pace(tmp_path: Path) -> None:
     trace = tmp_path / "paced.jsonl"
-    trace.write_bytes(b"".join(orjson.dumps({"timestamp": t, "input_length": 1024, "output_length": 1,
-                                             "hash_ids": [0, 1]}) + b"\n" for t in (0, 400, 800)))
-    s = run_json(tmp_path, "--trace", str(trace), "--embedded-roles", "manager,slab", "--time-scale", "2")
+    trace.write_bytes(
+        b"".join(
+            orjson.dumps(
+                {"timestamp": t, "input_length": 1024, "output_length": 1, "hash_ids": [0, 1]}
+            )
+            + b"\n"
+            for t in (0, 400, 800)
+        )
+    )
+    s = run_json(
+        tmp_path, "--trace", str(trace), "--embedded-roles", "manager,slab", "--time-scale", "2"
+    )
     assert s["wall_seconds"] >= 0.4  # the last request is due 800 ms / 2 after the first
     assert s["hit_blocks"] == 4  # requests 1 and 2 find both blocks of request 0
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
-    (["--model", "gpt-5"], "unknown model preset"),
-    (["--model", "llama-3-8b", "--kv-bytes-per-token", "8"], "not both"),
-    (["--requests", "many"], "--requests must be a number"),
-    (["--scale", "64"], "needs --load-bandwidth"),
-    (["--load-bandwidth", "fast"], "not a rate"),
-    (["--manager-url", "http://127.0.0.1:9", "--nodes", "2"], "cannot go with --manager-url"),
-    (["--set", "slab.nonsense=1"], "slab.nonsense"),
-    (["--embedded-roles", "slab"], "--embedded-roles"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--trace", "/nonexistent.jsonl"], "cannot read trace"),
+        (["--model", "gpt-5"], "unknown model preset"),
+        (["--model", "llama-3-8b", "--kv-bytes-per-token", "8"], "not both"),
+        (["--requests", "many"], "--requests must be a number"),
+        (["--scale", "64"], "needs --load-bandwidth"),
+        (["--load-bandwidth", "fast"], "not a rate"),
+        (["--manager-url", "http://127.0.0.1:9", "--nodes", "2"], "cannot go with --manager-url"),
+        (["--set", "slab.nonsense=1"], "slab.nonsense"),
+        (["--embedded-roles", "slab"], "--embedded-roles"),
+    ],
+)
 def test_bad_flags_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     trace, _ = trace_slice(tmp_path, 5)
     if "--trace" not in args:
         args = ["--trace", str(trace), *args]
     done = replay(*args)
-    assert done.returncode == 2, done.stdout
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert_usage_error(done, message)
 
 
 def test_bad_trace_line_and_unreachable_manager(tmp_path: Path) -> None:

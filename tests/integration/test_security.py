@@ -81,10 +81,21 @@ def test_registering_over_a_live_node_is_refused_and_keeps_its_entries(cluster: 
     data = os.urandom(4096)
     write(url, key(40), data)
     (node,) = http("GET", f"{url}/v1/nodes")[1]["nodes"]
-    for incarnation, capacity in ((node["incarnation"] + 1, 8 << 20), (node["incarnation"], 1 << 49)):
-        status, body = http("POST", f"{url}/v1/nodes/register", {
-            "node_id": node["id"], "incarnation": incarnation, "address": "10.9.9.9:9",
-            "capacity": capacity, "transports": ["tcp"]})
+    for incarnation, capacity in (
+        (node["incarnation"] + 1, 8 << 20),
+        (node["incarnation"], 1 << 49),
+    ):
+        status, body = http(
+            "POST",
+            f"{url}/v1/nodes/register",
+            {
+                "node_id": node["id"],
+                "incarnation": incarnation,
+                "address": "10.9.9.9:9",
+                "capacity": capacity,
+                "transports": ["tcp"],
+            },
+        )
         assert status == 409 and "alive" in body["error"], body
         assert "grant_key" not in body
     hit = post(url, "/v1/lookup", {"keys": [key(40)]})
@@ -93,18 +104,30 @@ def test_registering_over_a_live_node_is_refused_and_keeps_its_entries(cluster: 
 
 
 def test_a_client_token_cannot_join_as_a_node(cluster: Cluster) -> None:
-    url = cluster.embedded(security__token="client-t0ken", security__admin_token="admin-t0ken").manager_url
-    status, body = http("POST", f"{url}/v1/nodes/register", {
-        "node_id": "intruder", "incarnation": 1, "address": "10.9.9.9:9", "capacity": 1 << 49,
-        "transports": ["tcp"]}, token="client-t0ken")
+    url = cluster.embedded(
+        security__token="client-t0ken", security__admin_token="admin-t0ken"
+    ).manager_url
+    status, body = http(
+        "POST",
+        f"{url}/v1/nodes/register",
+        {
+            "node_id": "intruder",
+            "incarnation": 1,
+            "address": "10.9.9.9:9",
+            "capacity": 1 << 49,
+            "transports": ["tcp"],
+        },
+        token="client-t0ken",
+    )
     assert status == 403 and "grant_key" not in body
     assert http("GET", f"{url}/v1/stats", token="client-t0ken")[1]["nodes"] == 1
 
 
 def test_a_false_corruption_report_deletes_nothing(cluster: Cluster) -> None:
     """A client token cannot DELETE; crying "corrupt" on release must not do it either."""
-    url = cluster.embedded(slab__memory="8MiB", security__token="client-t0ken",
-                           security__admin_token="admin-t0ken").manager_url
+    url = cluster.embedded(
+        slab__memory="8MiB", security__token="client-t0ken", security__admin_token="admin-t0ken"
+    ).manager_url
     tok = "client-t0ken"
     data = os.urandom(MiB)
     with PolarKVClient(url, chunk_tokens=4, token=tok) as c:
@@ -113,10 +136,13 @@ def test_a_false_corruption_report_deletes_nothing(cluster: Cluster) -> None:
     for _ in range(3):
         status, held = http("POST", f"{url}/v1/lookup", {"keys": [k]}, token=tok)
         assert status == 200 and held["hits"] == 1
-        assert http("POST", f"{url}/v1/release", {"leases": [held["lease"]], "corrupt": [k]},
-                    token=tok) == (200, {"released": 1})
+        assert http(
+            "POST", f"{url}/v1/release", {"leases": [held["lease"]], "corrupt": [k]}, token=tok
+        ) == (200, {"released": 1})
     admin = "admin-t0ken"
-    wait_for(lambda: http("GET", f"{url}/v1/stats", token=admin)[1]["corrupt_reports_rejected"] == 3)
+    wait_for(
+        lambda: http("GET", f"{url}/v1/stats", token=admin)[1]["corrupt_reports_rejected"] == 3
+    )
     s = http("GET", f"{url}/v1/stats", token=admin)[1]
     assert (s["corrupt_reports"], s["checksum_failures"], s["keys_memory"]) == (3, 0, 1)
     with PolarKVClient(url, chunk_tokens=4, token=tok) as c:
@@ -134,4 +160,8 @@ def test_a_true_corruption_report_drops_the_entry(cluster: Cluster) -> None:
     post(url, "/v1/release", {"leases": [held["lease"]], "corrupt": [key(50)]})
     wait_for(lambda: http("GET", f"{url}/v1/keys/{key(50)}")[0] == 404)
     s = stats(url)
-    assert (s["corrupt_reports"], s["corrupt_reports_rejected"], s["checksum_failures"]) == (1, 0, 1)
+    assert (s["corrupt_reports"], s["corrupt_reports_rejected"], s["checksum_failures"]) == (
+        1,
+        0,
+        1,
+    )

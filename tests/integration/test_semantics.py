@@ -23,7 +23,11 @@ def test_entry_invisible_until_write_finish(cluster: Cluster) -> None:
     assert http("GET", f"{url}/v1/keys/{k}")[1]["state"] == "writing"
     again = post(url, "/v1/allocate", {"items": [{"key": k, "size": 10}]})
     assert again["results"][0]["status"] == "in_progress"
-    done = post(url, "/v1/commit", {"lease": reply["lease"], "items": [{"key": k, "checksum": checksum(data)}]})
+    done = post(
+        url,
+        "/v1/commit",
+        {"lease": reply["lease"], "items": [{"key": k, "checksum": checksum(data)}]},
+    )
     assert done["results"] == {k: "committed"}
     hit = post(url, "/v1/lookup", {"keys": [k]})
     assert hit["hits"] == 1
@@ -89,8 +93,11 @@ time.sleep(60)  # killed before write-finish
 def test_killed_writer_space_returns_after_write_lease(cluster: Cluster) -> None:
     url = cluster.embedded(manager__write_lease="1s").manager_url
     k = key(3)
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, url, k], stdout=subprocess.PIPE,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, url, k],
+        stdout=subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"written"
         assert stats(url)["keys_writing"] == 1 and stats(url)["bytes_memory_allocated"] > 0
@@ -151,7 +158,7 @@ def test_filling_memory_evicts_lru_and_stats_match_metrics(cluster: Cluster) -> 
         # the newest prompts survive whole; the oldest are gone
         assert loaded[-7:] == [2] * 7 and loaded[0] == 0
         first = next(i for i, n in enumerate(loaded) if n)
-        assert all(n == 2 for n in loaded[first + 1:])
+        assert all(n == 2 for n in loaded[first + 1 :])
         # a partly evicted prompt lost its tail, never its head: prefixes stay usable
         assert loaded[first] in (1, 2)
         _, views = c.load_kv(prompts[-1])

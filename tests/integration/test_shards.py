@@ -32,10 +32,17 @@ def free_port() -> int:
 
 
 def start_shard(cluster: Cluster, index: int, port: int, metadata_url: str) -> PolarKV:
-    return cluster.start(["manager"], {
-        "manager.listen": f"127.0.0.1:{port}", "manager.shard": f"{index}/2",
-        "manager.heartbeat_ttl": "1s", "security.grant_key": GRANT_KEY,
-        "manager.metadata_url": metadata_url}, name=f"shard{index}-{time.monotonic_ns()}")
+    return cluster.start(
+        ["manager"],
+        {
+            "manager.listen": f"127.0.0.1:{port}",
+            "manager.shard": f"{index}/2",
+            "manager.heartbeat_ttl": "1s",
+            "security.grant_key": GRANT_KEY,
+            "manager.metadata_url": metadata_url,
+        },
+        name=f"shard{index}-{time.monotonic_ns()}",
+    )
 
 
 Sharded = tuple[list[PolarKV], list[PolarKV], list[int], list[str]]
@@ -46,11 +53,19 @@ def make_sharded(cluster: Cluster, stores: list[str]) -> Sharded:
     ports = [free_port(), free_port()]
     shards = [start_shard(cluster, i, ports[i], stores[i]) for i in range(2)]
     urls = ",".join(s.manager_url for s in shards)
-    slabs = [cluster.start(["slab", "disk"], {"slab.manager_url": urls, "security.grant_key": GRANT_KEY,
-                                              "slab.memory": "32MiB"}, name=f"slab{i}") for i in range(2)]
+    slabs = [
+        cluster.start(
+            ["slab", "disk"],
+            {"slab.manager_url": urls, "security.grant_key": GRANT_KEY, "slab.memory": "32MiB"},
+            name=f"slab{i}",
+        )
+        for i in range(2)
+    ]
     for shard in shards:
-        wait_for(lambda url=shard.manager_url: alive_nodes(url) == {s.info["node_id"] for s in slabs},
-                 timeout=30.0)
+        wait_for(
+            lambda url=shard.manager_url: alive_nodes(url) == {s.info["node_id"] for s in slabs},
+            timeout=30.0,
+        )
     return shards, slabs, ports, stores
 
 
@@ -68,7 +83,9 @@ def sharded(cluster: Cluster, tmp_path: Path) -> Sharded:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def sharded_store(request: pytest.FixtureRequest, cluster: Cluster, tmp_path: Path) -> Iterator[Sharded]:
+def sharded_store(
+    request: pytest.FixtureRequest, cluster: Cluster, tmp_path: Path
+) -> Iterator[Sharded]:
     """Shards on their own SQLite files, or on their own schemas of one PostgreSQL database."""
     if request.param == "sqlite":
         yield make_sharded(cluster, [f"sqlite:///{tmp_path}/shard{i}.db" for i in range(2)])
@@ -93,7 +110,10 @@ def test_store_and_load_across_shards(sharded: Sharded) -> None:
     urls = ",".join(s.manager_url for s in shards)
     # Each shard manages its own arena of every slab: half of its buffer, disjoint.
     for shard in shards:
-        caps = {n["id"]: n["memory_capacity"] for n in http("GET", shard.manager_url + "/v1/nodes")[1]["nodes"]}
+        caps = {
+            n["id"]: n["memory_capacity"]
+            for n in http("GET", shard.manager_url + "/v1/nodes")[1]["nodes"]
+        }
         assert sorted(caps.values()) == [16 * 1024**2, 16 * 1024**2]
     tokens = list(range(64 * CHUNK_TOKENS))
     with PolarKVClient(urls, namespace="shards", chunk_tokens=CHUNK_TOKENS, timeout=5.0) as client:
@@ -116,19 +136,24 @@ def test_a_shard_refuses_keys_outside_its_range(sharded: Sharded) -> None:
     foreign = "ffff" + "0" * 28
     assert not Shard(0, 2).owns(foreign)
     before = stats(url)
-    for path, body in (("/v1/lookup", {"keys": ["0000" + "0" * 28, foreign]}),
-                       ("/v1/allocate", {"items": [{"key": foreign, "size": 4096}]})):
+    for path, body in (
+        ("/v1/lookup", {"keys": ["0000" + "0" * 28, foreign]}),
+        ("/v1/allocate", {"items": [{"key": foreign, "size": 4096}]}),
+    ):
         status, reply = http("POST", url + path, body)
         assert 400 <= status < 500, (path, status, reply)
         assert reply["error"].startswith("wrong_shard"), reply
     status, reply = http("GET", url + f"/v1/keys/{foreign}")
     assert 400 <= status < 500 and reply["error"].startswith("wrong_shard")
     after = stats(url)
-    assert {k: after[k] for k in ("lookups", "allocations", "keys_memory", "keys_writing")} == \
-        {k: before[k] for k in ("lookups", "allocations", "keys_memory", "keys_writing")}
+    assert {k: after[k] for k in ("lookups", "allocations", "keys_memory", "keys_writing")} == {
+        k: before[k] for k in ("lookups", "allocations", "keys_memory", "keys_writing")
+    }
 
 
-def test_one_shard_down_misses_only_its_range_and_recovers(cluster: Cluster, sharded_store: Sharded) -> None:
+def test_one_shard_down_misses_only_its_range_and_recovers(
+    cluster: Cluster, sharded_store: Sharded
+) -> None:
     shards, _, ports, stores = sharded_store
     urls = ",".join(s.manager_url for s in shards)
     tokens = list(range(32 * CHUNK_TOKENS))

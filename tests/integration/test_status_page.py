@@ -34,9 +34,18 @@ from tests.integration.raw import key, only, post, raw, write
 
 TOKEN, ADMIN = "page-token", "page-admin-token"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1280,1100"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,1100",
+]
 SCREENSHOT = ROOT / "docs" / "status-page.png"
 
 
@@ -94,31 +103,78 @@ class Load:
         self.thread.join(30)
 
 
+# The page re-renders its cards and rows on every poll, so an element found by one call
+# may be gone by the next (StaleElementReferenceException). Every read of moving parts is
+# one script run in the page: a consistent snapshot of one render.
 def page_values(driver: WebDriver) -> dict[str, str]:
-    return {e.get_attribute("data-stat") or "": e.get_attribute("data-value") or ""
-            for e in driver.find_elements(By.CSS_SELECTOR, "[data-stat]")}
+    values: dict[str, str] = driver.execute_script(
+        "const o = {}; for (const e of document.querySelectorAll('[data-stat]'))"
+        " o[e.getAttribute('data-stat') || ''] = e.getAttribute('data-value') || ''; return o;"
+    )
+    return values
+
+
+def text_of(driver: WebDriver, selector: str) -> str:
+    """The rendered text of the first element matching `selector` ('' if none)."""
+    text: str = driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText.trim() : '';",
+        selector,
+    )
+    return text
+
+
+def attr_of(driver: WebDriver, selector: str, name: str) -> str:
+    value: str = driver.execute_script(
+        "const e = document.querySelector(arguments[0]);"
+        " return e ? (e.getAttribute(arguments[1]) || '') : '';",
+        selector,
+        name,
+    )
+    return value
+
+
+def event_kinds(driver: WebDriver) -> list[str]:
+    kinds: list[str] = driver.execute_script(
+        "return [...document.querySelectorAll('#events li')]"
+        ".map(e => e.getAttribute('data-kind') || '');"
+    )
+    return kinds
 
 
 def mismatches(shown: dict[str, str], stats: dict[str, Any]) -> dict[str, tuple[str, float]]:
     """Fields whose number on the page differs from the API's (hit_rate derived)."""
     asked = stats["hits"] + stats["misses"]
     want = {**stats, "hit_rate": stats["hits"] / asked if asked else None}
+
     def differs(shown_text: str, value: float | None) -> bool:
         if value is None:
             return shown_text != ""
         return not shown_text or abs(float(shown_text) - value) > 1e-9
+
     return {k: (v, want[k]) for k, v in shown.items() if differs(v, want[k])}
 
 
 @pytest.mark.slow
 def test_status_page_matches_the_api(cluster: Cluster, browser: WebDriver, tmp_path: Path) -> None:
     secure = {"security__token": TOKEN, "security__admin_token": ADMIN}
-    # short leases: memory freed by offloads is reusable soon after its grants end
-    main = cluster.embedded(disk=True, slab__memory="16MiB", manager__write_lease="3s",
-                            manager__read_lease="2s", **secure)
+    # short leases keep the small memory of this test moving under the write load
+    main = cluster.embedded(
+        disk=True,
+        slab__memory="16MiB",
+        manager__write_lease="3s",
+        manager__read_lease="2s",
+        **secure,
+    )
     url = main.manager_url
-    second = cluster.start(["slab", "disk"], {"slab.manager_url": url, "slab.memory": "16MiB",
-                                              "security.token": TOKEN, "security.admin_token": ADMIN})
+    second = cluster.start(
+        ["slab", "disk"],
+        {
+            "slab.manager_url": url,
+            "slab.memory": "16MiB",
+            "security.token": TOKEN,
+            "security.admin_token": ADMIN,
+        },
+    )
     wait_for(lambda: len(http("GET", url + "/v1/nodes", token=TOKEN)[1]["nodes"]) == 2)
 
     browser.get(url + "/?interval=500")
@@ -134,54 +190,70 @@ def test_status_page_matches_the_api(cluster: Cluster, browser: WebDriver, tmp_p
 
     with Load(url) as load:
         # under load the rates come alive and the charts get points
-        wait_for(lambda: float(browser.find_element(By.CSS_SELECTOR, "[data-rate=commits]")
-                               .get_attribute("data-value") or 0) > 0, timeout=20)
+        wait_for(
+            lambda: float(attr_of(browser, "[data-rate=commits]", "data-value") or 0) > 0,
+            timeout=20,
+        )
         time.sleep(10)  # points on the charts, offloads and reloads
     assert not load.errors, load.errors
-    assert int(browser.find_element(By.CSS_SELECTOR, "path[data-series=stores]")
-               .get_attribute("data-points") or 0) >= 2
+    assert int(attr_of(browser, "path[data-series=stores]", "data-points") or 0) >= 2
 
     # quiet now: the page settles on exactly what the API says
     def settled() -> bool:
         return not mismatches(page_values(browser), http("GET", url + "/v1/stats", token=TOKEN)[1])
+
     try:
         wait_for(settled, timeout=10)
     except AssertionError:
-        raise AssertionError(mismatches(page_values(browser),
-                                        http("GET", url + "/v1/stats", token=TOKEN)[1])) from None
+        raise AssertionError(
+            mismatches(page_values(browser), http("GET", url + "/v1/stats", token=TOKEN)[1])
+        ) from None
     truth = http("GET", url + "/v1/stats", token=TOKEN)[1]
     assert truth["commits"] >= 400 and truth["offloads"] > 0 and truth["hits"] > 0, truth
     shown = page_values(browser)
-    assert {"nodes", "keys_memory", "keys_disk", "bytes_memory", "hits", "misses", "offloads",
-            "reloads", "commits", "hit_rate"} <= set(shown)
+    assert {
+        "nodes",
+        "keys_memory",
+        "keys_disk",
+        "bytes_memory",
+        "hits",
+        "misses",
+        "offloads",
+        "reloads",
+        "commits",
+        "hit_rate",
+    } <= set(shown)
     # what a person reads: formatted text of the same numbers
-    card = browser.find_element(By.CSS_SELECTOR, "b[data-stat=nodes]").text
+    card = text_of(browser, "b[data-stat=nodes]")
     assert card == "2" == str(truth["nodes"])
-    assert browser.find_element(By.CSS_SELECTOR, "span[data-stat=commits]").text == f"{truth['commits']:,}"
+    assert text_of(browser, "span[data-stat=commits]") == f"{truth['commits']:,}"
     asked = truth["hits"] + truth["misses"]
-    assert browser.find_element(By.CSS_SELECTOR, "b[data-stat=hit_rate]").text == f"{100 * truth['hits'] / asked:.1f}%"
+    assert text_of(browser, "b[data-stat=hit_rate]") == f"{100 * truth['hits'] / asked:.1f}%"
 
     # nodes: both alive, memory as /v1/nodes says (it moves while freed space leaves
     # quarantine, so compare a poll apart)
     def node_rows() -> dict[str, tuple[str, str]]:
-        return {r.get_attribute("data-node") or "": (
-            r.find_element(By.CSS_SELECTOR, ".state").text,
-            r.find_element(By.CSS_SELECTOR, "[data-field=memory_used]").get_attribute("data-value") or "")
-            for r in browser.find_elements(By.CSS_SELECTOR, "#nodes tbody tr")}
+        rows: list[list[str]] = browser.execute_script(
+            "return [...document.querySelectorAll('#nodes tbody tr')].map(r => ["
+            " r.getAttribute('data-node') || '',"
+            " (r.querySelector('.state') || {innerText: ''}).innerText.trim(),"
+            " (r.querySelector('[data-field=memory_used]') || {getAttribute: () => ''})"
+            ".getAttribute('data-value') || ''])"
+        )
+        return {node: (state, used) for node, state, used in rows}
 
     def nodes_match() -> bool:
         nodes = http("GET", url + "/v1/nodes", token=TOKEN)[1]["nodes"]
         return node_rows() == {n["id"]: ("alive", str(n["memory_used"])) for n in nodes}
+
     wait_for(nodes_match, timeout=10)
     assert len(node_rows()) == 2
-    events = [e.get_attribute("data-kind") for e in browser.find_elements(By.CSS_SELECTOR, "#events li")]
-    assert events.count("node_joined") == 2
+    assert event_kinds(browser).count("node_joined") == 2
 
     # a node dies: the page says so within a poll or two
     second.kill()
-    wait_for(lambda: "dead" in browser.find_element(By.ID, "nodes").text, timeout=15)
-    wait_for(lambda: "node_died" in [e.get_attribute("data-kind") for e in
-                                     browser.find_elements(By.CSS_SELECTOR, "#events li")], timeout=10)
+    wait_for(lambda: "dead" in text_of(browser, "#nodes"), timeout=15)
+    wait_for(lambda: "node_died" in event_kinds(browser), timeout=10)
     shot = tmp_path / "status-page.png"
     try:
         assert browser.save_screenshot(str(shot))
@@ -204,15 +276,23 @@ def test_page_files_are_public_and_numbers_are_not(cluster: Cluster) -> None:
     assert http("GET", url + "/v1/stats")[0] == 401
     assert http("GET", url + "/v1/events")[0] == 401
     # the page on another shard's origin may read this one (CORS), with the token
-    req = urllib.request.Request(url + "/v1/stats", method="OPTIONS",
-                                 headers={"Origin": "http://other:8170", "Access-Control-Request-Method": "GET",
-                                          "Access-Control-Request-Headers": "authorization"})
+    req = urllib.request.Request(
+        url + "/v1/stats",
+        method="OPTIONS",
+        headers={
+            "Origin": "http://other:8170",
+            "Access-Control-Request-Method": "GET",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
     with urllib.request.urlopen(req, timeout=5) as resp:
         assert resp.status == 204
         assert resp.headers["Access-Control-Allow-Origin"] == "*"
         assert "Authorization" in resp.headers["Access-Control-Allow-Headers"]
-    with urllib.request.urlopen(urllib.request.Request(
-            url + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"}), timeout=5) as resp:
+    with urllib.request.urlopen(
+        urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"}),
+        timeout=5,
+    ) as resp:
         assert resp.headers["Access-Control-Allow-Origin"] == "*"
     # drain is an admin write: the reader token may not
     assert http("POST", url + "/v1/nodes/x/drain", {}, token=TOKEN)[0] == 403
@@ -224,8 +304,12 @@ def test_events_feed(cluster: Cluster) -> None:
     spec = openapi_spec()
     status, body = http("GET", url + "/v1/events")
     assert status == 200
-    jsonschema.validate(body, spec["paths"]["/v1/events"]["get"]["responses"]["200"]["content"]
-                        ["application/json"]["schema"])
+    jsonschema.validate(
+        body,
+        spec["paths"]["/v1/events"]["get"]["responses"]["200"]["content"]["application/json"][
+            "schema"
+        ],
+    )
     joined = [e for e in body["events"] if e["kind"] == "node_joined"]
     assert [e["subject"] for e in joined] == [node.info["node_id"]] and joined[0]["level"] == "info"
     assert http("GET", f"{url}/v1/events?since={body['last_seq']}")[1]["events"] == []
@@ -234,11 +318,19 @@ def test_events_feed(cluster: Cluster) -> None:
         assert status == 400 and "since" in reply["error"]
     status, view = http("POST", f"{url}/v1/nodes/{node.info['node_id']}/drain", {})
     assert status == 200 and view["draining"] and view["drained"]
-    jsonschema.validate(view, spec["paths"]["/v1/nodes/{node_id}/drain"]["post"]["responses"]["200"]
-                        ["content"]["application/json"]["schema"])
+    jsonschema.validate(
+        view,
+        spec["paths"]["/v1/nodes/{node_id}/drain"]["post"]["responses"]["200"]["content"][
+            "application/json"
+        ]["schema"],
+    )
     status, nodes = http("GET", url + "/v1/nodes")
-    jsonschema.validate(nodes, spec["paths"]["/v1/nodes"]["get"]["responses"]["200"]["content"]
-                        ["application/json"]["schema"])
+    jsonschema.validate(
+        nodes,
+        spec["paths"]["/v1/nodes"]["get"]["responses"]["200"]["content"]["application/json"][
+            "schema"
+        ],
+    )
     assert nodes["nodes"][0]["draining"] is True
     kinds = [e["kind"] for e in http("GET", url + "/v1/events")[1]["events"]]
     assert kinds.count("node_draining") == 1
@@ -253,13 +345,19 @@ def test_one_page_over_several_shards(cluster: Cluster, browser: WebDriver) -> N
     shard0 = cluster.manager(manager__shard="0/2", security__grant_key=key)
     shard1 = cluster.manager(manager__shard="1/2", security__grant_key=key)
     urls = [shard0.manager_url, shard1.manager_url]
-    cluster.start(["slab", "disk"], {"slab.manager_url": ",".join(urls), "slab.memory": "32MiB",
-                                     "security.grant_key": key})
+    cluster.start(
+        ["slab", "disk"],
+        {"slab.manager_url": ",".join(urls), "slab.memory": "32MiB", "security.grant_key": key},
+    )
     for url in urls:
-        wait_for(lambda url=url: [n["state"] for n in http("GET", url + "/v1/nodes")[1]["nodes"]] == ["alive"])
+        wait_for(
+            lambda url=url: (
+                [n["state"] for n in http("GET", url + "/v1/nodes")[1]["nodes"]] == ["alive"]
+            )
+        )
     with PolarKVClient(",".join(urls), timeout=5.0) as client:
         for i in range(24):  # keys over the whole key space: both shards get some
-            key = f"{(i * 0x0b00) & 0xffff:04x}" + f"{i:028x}"
+            key = f"{(i * 0x0B00) & 0xFFFF:04x}" + f"{i:028x}"
             assert client.put(key, bytes([i]) * 4096)
     per_shard = [http("GET", url + "/v1/stats")[1] for url in urls]
     assert all(s["keys_memory"] for s in per_shard)
@@ -268,21 +366,23 @@ def test_one_page_over_several_shards(cluster: Cluster, browser: WebDriver) -> N
     wait_for(lambda: browser.find_element(By.ID, "view").is_displayed())
 
     def shows(field: str) -> str:
-        return browser.find_element(By.CSS_SELECTOR, f"b[data-stat={field}], span[data-stat={field}]") \
-            .get_attribute("data-value") or ""
+        return attr_of(browser, f"b[data-stat={field}], span[data-stat={field}]", "data-value")
+
     total = sum(s["keys_memory"] for s in per_shard)
     wait_for(lambda: shows("keys_memory") == str(total))
     assert total == 24 and shows("commits") == "24"
     assert shows("capacity_memory") == str(sum(s["capacity_memory"] for s in per_shard))
     assert shows("nodes") == "1"  # one node, registered with both shards
-    rows = browser.find_elements(By.CSS_SELECTOR, "#shard-table tbody tr")
-    assert len(rows) == 2 and browser.find_element(By.ID, "shard-section").is_displayed()
-    assert browser.find_element(By.CSS_SELECTOR, "#nodes tbody tr td:last-child").text == "0,1"
+    rows = browser.execute_script(
+        "return document.querySelectorAll('#shard-table tbody tr').length"
+    )
+    assert rows == 2 and browser.find_element(By.ID, "shard-section").is_displayed()
+    assert text_of(browser, "#nodes tbody tr td:last-child") == "0,1"
 
     shard1.kill()  # one shard gone: the page says so and keeps showing the other
-    wait_for(lambda: browser.find_element(By.ID, "problem").text == "1 of 2 shard(s) unreachable")
+    wait_for(lambda: text_of(browser, "#problem") == "1 of 2 shard(s) unreachable")
     wait_for(lambda: shows("keys_memory") == str(per_shard[0]["keys_memory"]))
-    assert "unreachable" in browser.find_element(By.ID, "shard-table").text
+    assert "unreachable" in text_of(browser, "#shard-table")
 
 
 def test_checksum_failures_are_events(cluster: Cluster) -> None:

@@ -20,12 +20,17 @@ def load(client: PolarKVClient) -> tuple[int, list[bytes]]:
 
 
 def test_tenants_keep_their_entries_apart(cluster: Cluster) -> None:
-    url = cluster.embedded(security__token=DEFAULT, security__admin_token=ADMIN,
-                           security__tenants=f"team-a:{TEAM_A},team-b:{TEAM_B}").manager_url
+    url = cluster.embedded(
+        security__token=DEFAULT,
+        security__admin_token=ADMIN,
+        security__tenants=f"team-a:{TEAM_A},team-b:{TEAM_B}",
+    ).manager_url
     mine, theirs = [os.urandom(100), os.urandom(100)], [os.urandom(100), os.urandom(100)]
-    with PolarKVClient(url, chunk_tokens=4, token=TEAM_A) as a, \
-            PolarKVClient(url, chunk_tokens=4, token=TEAM_B) as b, \
-            PolarKVClient(url, chunk_tokens=4, token=DEFAULT) as d:
+    with (
+        PolarKVClient(url, chunk_tokens=4, token=TEAM_A) as a,
+        PolarKVClient(url, chunk_tokens=4, token=TEAM_B) as b,
+        PolarKVClient(url, chunk_tokens=4, token=DEFAULT) as d,
+    ):
         assert a.store_kv(TOKENS, mine) == 2
         key = a.keys(TOKENS)[0]
         assert b.keys(TOKENS)[0] == key  # the same prompt, the same key ...
@@ -50,32 +55,43 @@ def test_tenants_keep_their_entries_apart(cluster: Cluster) -> None:
     assert http("GET", f"{url}/v1/keys/{key}", token=ADMIN)[0] == 404  # the default namespace
     assert http("DELETE", f"{url}/v1/keys/{key}", token=TEAM_A)[0] == 403
     assert http("DELETE", f"{url}/v1/keys/{key}?tenant=team-b", token=ADMIN)[0] == 200
-    with PolarKVClient(url, chunk_tokens=4, token=TEAM_A) as a, \
-            PolarKVClient(url, chunk_tokens=4, token=TEAM_B) as b:
+    with (
+        PolarKVClient(url, chunk_tokens=4, token=TEAM_A) as a,
+        PolarKVClient(url, chunk_tokens=4, token=TEAM_B) as b,
+    ):
         assert load(a) == (8, mine)  # deleting b's copy left a's alone
         assert load(b) == (0, [])
 
 
 def test_tenant_counters_reach_prometheus(cluster: Cluster) -> None:
-    url = cluster.embedded(security__admin_token=ADMIN, security__tenants=f"team-a:{TEAM_A}").manager_url
+    url = cluster.embedded(
+        security__admin_token=ADMIN, security__tenants=f"team-a:{TEAM_A}"
+    ).manager_url
     with PolarKVClient(url, chunk_tokens=4, token=TEAM_A) as a:
         assert a.store_kv(TOKENS, [os.urandom(64), os.urandom(64)]) == 2
         assert load(a)[0] == 8
     req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
     with urllib.request.urlopen(req, timeout=5) as reply:
         text = reply.read().decode()
-    assert re.search(r'^polarkv_tenant_hits_total\{tenant="team-a"\} 2\.0$', text, re.M), text[:2000]
+    assert re.search(r'^polarkv_tenant_hits_total\{tenant="team-a"\} 2\.0$', text, re.M), text[
+        :2000
+    ]
     assert re.search(r'^polarkv_tenant_keys_memory\{tenant="team-a"\} 2\.0$', text, re.M)
     # a tenant token is a client token: no node calls, no admin writes
     assert http("POST", f"{url}/v1/nodes/register", {}, token=TEAM_A)[0] == 403
 
 
 def test_a_tenant_quota_caps_its_memory_not_the_others(cluster: Cluster) -> None:
-    url = cluster.embedded(security__admin_token=ADMIN, security__tenants=f"team-a:{TEAM_A},team-b:{TEAM_B}",
-                           security__tenant_quotas="team-a:128KiB").manager_url
+    url = cluster.embedded(
+        security__admin_token=ADMIN,
+        security__tenants=f"team-a:{TEAM_A},team-b:{TEAM_B}",
+        security__tenant_quotas="team-a:128KiB",
+    ).manager_url
     chunk = 64 * 1024
-    with PolarKVClient(url, chunk_tokens=4, token=TEAM_A) as a, \
-            PolarKVClient(url, chunk_tokens=4, token=TEAM_B) as b:
+    with (
+        PolarKVClient(url, chunk_tokens=4, token=TEAM_A) as a,
+        PolarKVClient(url, chunk_tokens=4, token=TEAM_B) as b,
+    ):
         assert b.store_kv(TOKENS, [os.urandom(chunk), os.urandom(chunk)]) == 2
         first = [os.urandom(chunk), os.urandom(chunk)]
         assert a.store_kv(TOKENS, first) == 2  # at its quota
@@ -83,4 +99,7 @@ def test_a_tenant_quota_caps_its_memory_not_the_others(cluster: Cluster) -> None
         assert load(a) == (0, [])  # its older prompt made room ...
         assert load(b)[0] == 8  # ... and the other tenant kept everything
     tenants = http("GET", f"{url}/v1/stats", token=ADMIN)[1]["tenants"]
-    assert tenants["team-a"]["bytes_memory"] == 2 * chunk and tenants["team-b"]["bytes_memory"] == 2 * chunk
+    assert (
+        tenants["team-a"]["bytes_memory"] == 2 * chunk
+        and tenants["team-b"]["bytes_memory"] == 2 * chunk
+    )

@@ -59,8 +59,11 @@ def test_write_then_read_back(node: PolarKV, transport: Transport, size: int) ->
     data = os.urandom(size)
     reply, w = _allocate(node.manager_url, key(size), size)
     transport.write_from(w, memoryview(data), time.monotonic() + 5)
-    post(node.manager_url, "/v1/commit", {"lease": reply["lease"],
-                                         "items": [{"key": key(size), "checksum": checksum(data)}]})
+    post(
+        node.manager_url,
+        "/v1/commit",
+        {"lease": reply["lease"], "items": [{"key": key(size), "checksum": checksum(data)}]},
+    )
     hit = post(node.manager_url, "/v1/lookup", {"keys": [key(size)]})
     out = bytearray(size)
     transport.read_into(region(hit, hit["entries"][0]), memoryview(out), time.monotonic() + 5)

@@ -7,13 +7,38 @@ from polarkv_lib.cli.api import Shards
 
 
 def node(id_: str, state: str = "alive", **kw: int) -> dict[str, object]:
-    return {"id": id_, "state": state, "address": id_, "memory_used": 0, "memory_capacity": 100,
-            "keys_memory": 0, "disk_used": 0, "disk_capacity": 0, "keys_disk": 0, "last_heartbeat": 1.0, **kw}
+    return {
+        "id": id_,
+        "state": state,
+        "address": id_,
+        "memory_used": 0,
+        "memory_capacity": 100,
+        "keys_memory": 0,
+        "disk_used": 0,
+        "disk_capacity": 0,
+        "keys_disk": 0,
+        "last_heartbeat": 1.0,
+        **kw,
+    }
 
 
 def test_counts_sum_and_nodes_count_once() -> None:
-    a = {"hits": 3, "misses": 1, "keys_memory": 5, "nodes": 2, "nodes_dead": 0, "capacity_memory": 100}
-    b = {"hits": 1, "misses": 3, "keys_memory": 7, "nodes": 2, "nodes_dead": 0, "capacity_memory": 100}
+    a = {
+        "hits": 3,
+        "misses": 1,
+        "keys_memory": 5,
+        "nodes": 2,
+        "nodes_dead": 0,
+        "capacity_memory": 100,
+    }
+    b = {
+        "hits": 1,
+        "misses": 3,
+        "keys_memory": 7,
+        "nodes": 2,
+        "nodes_dead": 0,
+        "capacity_memory": 100,
+    }
     merged = views.merge_nodes([[node("n1"), node("n2")], [node("n1"), node("n2", "dead")]])
     total = views.sum_stats([a, b], merged)
     assert total["hits"] == 4 and total["misses"] == 4 and total["keys_memory"] == 12
@@ -24,8 +49,12 @@ def test_counts_sum_and_nodes_count_once() -> None:
 
 
 def test_merge_nodes_sums_each_shards_part() -> None:
-    merged = views.merge_nodes([[node("n1", memory_used=10, keys_memory=1)],
-                                [node("n1", memory_used=5, keys_memory=2, last_heartbeat=9)]])
+    merged = views.merge_nodes(
+        [
+            [node("n1", memory_used=10, keys_memory=1)],
+            [node("n1", memory_used=5, keys_memory=2, last_heartbeat=9)],
+        ]
+    )
     assert len(merged) == 1
     row = merged[0]
     assert (row["memory_used"], row["memory_capacity"], row["keys_memory"]) == (15, 200, 3)
@@ -33,9 +62,13 @@ def test_merge_nodes_sums_each_shards_part() -> None:
 
 
 def test_tables_align_and_say_what_is_down() -> None:
-    text = views.stats_table([("http://a:1", {"keys_memory": 1234, "hits": 1, "misses": 1, "nodes": 1}),
-                              ("http://b:2", "http://b:2: cannot reach the manager")],
-                             views.sum_stats([{"keys_memory": 1234, "hits": 1, "misses": 1}]))
+    text = views.stats_table(
+        [
+            ("http://a:1", {"keys_memory": 1234, "hits": 1, "misses": 1, "nodes": 1}),
+            ("http://b:2", "http://b:2: cannot reach the manager"),
+        ],
+        views.sum_stats([{"keys_memory": 1234, "hits": 1, "misses": 1}]),
+    )
     lines = text.splitlines()
     assert lines[0].startswith("SHARD") and "a:1" in lines[1] and "unreachable" in lines[2]
     assert lines[3].startswith("total") and "50.0%" in lines[3]

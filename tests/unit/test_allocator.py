@@ -16,11 +16,20 @@ KiB, MiB = 1024, 1024**2
 # -- size_class ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("size", "expected"), [
-    (1, PAGE), (PAGE, PAGE), (PAGE + 1, 2 * PAGE), (32 * KiB, 32 * KiB),
-    (32 * KiB + 1, 36 * KiB), (64 * KiB, 64 * KiB), (64 * KiB + 1, 72 * KiB),
-    (MiB, MiB), (MiB + 1, MiB + 128 * KiB),
-])
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (1, PAGE),
+        (PAGE, PAGE),
+        (PAGE + 1, 2 * PAGE),
+        (32 * KiB, 32 * KiB),
+        (32 * KiB + 1, 36 * KiB),
+        (64 * KiB, 64 * KiB),
+        (64 * KiB + 1, 72 * KiB),
+        (MiB, MiB),
+        (MiB + 1, MiB + 128 * KiB),
+    ],
+)
 def test_size_class_examples(size: int, expected: int) -> None:
     assert size_class(size) == expected
 
@@ -255,8 +264,16 @@ def test_reserve_takes_exactly_the_given_extent() -> None:
     assert a.used == 3 * PAGE
     assert a.extents() == [(0, 2 * PAGE), (5 * PAGE, 3 * PAGE)]
     # anything overlapping it, misaligned or empty is refused and changes nothing
-    for offset, length in ((4 * PAGE, 2 * PAGE), (PAGE, 2 * PAGE), (PAGE + 1, PAGE), (0, PAGE + 1),
-                           (0, 0), (0, -PAGE), (7 * PAGE, 2 * PAGE), (8 * PAGE, PAGE)):
+    for offset, length in (
+        (4 * PAGE, 2 * PAGE),
+        (PAGE, 2 * PAGE),
+        (PAGE + 1, PAGE),
+        (0, PAGE + 1),
+        (0, 0),
+        (0, -PAGE),
+        (7 * PAGE, 2 * PAGE),
+        (8 * PAGE, PAGE),
+    ):
         assert not a.reserve(offset, length), (offset, length)
     assert a.used == 3 * PAGE and a.extents() == [(0, 2 * PAGE), (5 * PAGE, 3 * PAGE)]
     assert a.reserve(0, 2 * PAGE) and a.extents() == [(5 * PAGE, 3 * PAGE)]

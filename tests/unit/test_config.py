@@ -61,7 +61,22 @@ def test_parse_size_exact_for_large_byte_counts() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [-1, True, False, 1.5, None, [], "", "MiB", "-1", "1 XiB", "1e3", "1.2.3", "64 MiB MiB", "0x10"],
+    [
+        -1,
+        True,
+        False,
+        1.5,
+        None,
+        [],
+        "",
+        "MiB",
+        "-1",
+        "1 XiB",
+        "1e3",
+        "1.2.3",
+        "64 MiB MiB",
+        "0x10",
+    ],
 )
 def test_parse_size_rejects(bad: object) -> None:
     with pytest.raises(ValueError):
@@ -116,8 +131,21 @@ def test_parse_address_accepts(text: str, expected: tuple[str, int]) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["", "8170", ":8170", "host:", "host:65536", "host:-1", "host:http", 8170, None,
-            "host:\u00b2", "host:\u0661\u0662", "host:\uff18\uff11"]  # non-ASCII digits
+    "bad",
+    [
+        "",
+        "8170",
+        ":8170",
+        "host:",
+        "host:65536",
+        "host:-1",
+        "host:http",
+        8170,
+        None,
+        "host:\u00b2",
+        "host:\u0661\u0662",
+        "host:\uff18\uff11",
+    ],  # non-ASCII digits
 )
 def test_parse_address_rejects(bad: object) -> None:
     with pytest.raises(ValueError):
@@ -178,7 +206,9 @@ paths = ["/a", "/b"]
 
 
 def test_precedence_defaults_file_env_set(tmp_path: Path) -> None:
-    path = write_toml(tmp_path, "[manager]\nwrite_lease = '8s'\nmax_batch = 10\nread_lease = '2s'\n")
+    path = write_toml(
+        tmp_path, "[manager]\nwrite_lease = '8s'\nmax_batch = 10\nread_lease = '2s'\n"
+    )
     env = {
         "POLARKV_MANAGER__MAX_BATCH": "20",
         "POLARKV_MANAGER__READ_LEASE": "3s",
@@ -192,9 +222,7 @@ def test_precedence_defaults_file_env_set(tmp_path: Path) -> None:
 
 
 def test_set_beats_env_without_file() -> None:
-    config = load_config(
-        overrides=["slab.memory=2MiB"], environ={"POLARKV_SLAB__MEMORY": "8MiB"}
-    )
+    config = load_config(overrides=["slab.memory=2MiB"], environ={"POLARKV_SLAB__MEMORY": "8MiB"})
     assert config.slab.memory == 2 * 1024**2
 
 
@@ -392,7 +420,18 @@ def test_describe_keys_defaults_match_the_dataclasses() -> None:
     for dotted, default, kind, help_text in describe_keys():
         section, key = dotted.split(".")
         assert getattr(getattr(defaults, section), key) == default, dotted
-        assert kind in {"size", "duration", "address", "bool", "int", "float", "str", "list", "urls", "shard"}
+        assert kind in {
+            "size",
+            "duration",
+            "address",
+            "bool",
+            "int",
+            "float",
+            "str",
+            "list",
+            "urls",
+            "shard",
+        }
         assert help_text.strip(), dotted
 
 
@@ -418,9 +457,16 @@ def test_clients_take_their_settings_from_one_config() -> None:
     from polarkv_lib.client.async_client import DEFAULTS, client_kwargs
     from polarkv_lib.config import ClientConfig
 
-    config = load_config(overrides=["client.timeout=7s", "client.window=8", "client.connections=2",
-                                    "security.token=secret", "client.manager_url=http://127.0.0.1:9"],
-                         environ={})
+    config = load_config(
+        overrides=[
+            "client.timeout=7s",
+            "client.window=8",
+            "client.connections=2",
+            "security.token=secret",
+            "client.manager_url=http://127.0.0.1:9",
+        ],
+        environ={},
+    )
     kwargs = client_kwargs(config, None)
     assert kwargs["timeout"] == 7.0 and kwargs["window"] == 8 and kwargs["token"] == "secret"
     assert client_kwargs(config, "other")["token"] == "other"  # an explicit token wins
@@ -429,6 +475,7 @@ def test_clients_take_their_settings_from_one_config() -> None:
     assert ClientConfig() == DEFAULTS
     with PolarKVClient.from_config(config, namespace="ns") as client:
         assert (client.namespace, client.chunk_tokens) == ("ns", DEFAULTS.chunk_tokens)
+
     async def check() -> None:
         async with AsyncPolarKVClient.from_config(config.client) as aclient:
             assert aclient.timeout == 7.0 and aclient.window == 8

@@ -39,7 +39,9 @@ def test_a_claim_cuts_older_uses_of_its_pages_short() -> None:
     fence.leave(fence.enter(0, PAGE, gen=5, claim=True))
     aborted = threading.Event()
     stale = fence.enter(0, PAGE, gen=5, claim=False, abort=aborted.set)  # a slow read in flight
-    other = fence.enter(4 * PAGE, PAGE, gen=1, claim=False, abort=lambda: pytest.fail("not overlapping"))
+    other = fence.enter(
+        4 * PAGE, PAGE, gen=1, claim=False, abort=lambda: pytest.fail("not overlapping")
+    )
 
     def reader_notices() -> None:
         assert aborted.wait(5)

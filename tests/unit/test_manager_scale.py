@@ -42,30 +42,40 @@ class CountingLRU(OrderedDict[str, Entry]):
 
 
 def counted(node: Node) -> None:
-    node.lru, node.clean, node.disk_lru = (CountingLRU(node.lru), CountingLRU(node.clean),
-                                           CountingLRU(node.disk_lru))
+    node.lru, node.clean, node.disk_lru = (
+        CountingLRU(node.lru),
+        CountingLRU(node.clean),
+        CountingLRU(node.disk_lru),
+    )
     CountingLRU.visited = 0
 
 
 def full_core(count: int, *, disk: bool = False, on_disk: bool = False) -> tuple[Metadata, Node]:
-    md = Metadata(16, 5.0, 30.0, 3.0, rng=random.Random(1))
-    row = NodeRow("n1", 1, "127.0.0.1:1", count * SIZE, (count * SIZE * 4) if disk else 0, "", "h", "tcp")
+    md = Metadata(5.0, 30.0, 3.0, rng=random.Random(1))
+    row = NodeRow(
+        "n1", 1, "127.0.0.1:1", count * SIZE, (count * SIZE * 4) if disk else 0, "", "h", "tcp"
+    )
     md.restore([row], synthetic_rows(row, count, SIZE, on_disk=on_disk))
     started = time.perf_counter()
     node, _ = md.register("n1", 1, row.address, row.capacity, "", "h", ["tcp"], row.disk_capacity)
     assert md.restoring and node.restoring  # register did one slice, not all of it
     slices = [time.perf_counter() - started]
+    restored = [len(node.entries)]
     while True:
         started = time.perf_counter()
         more = md.restore_step()
         slices.append(time.perf_counter() - started)
+        restored.append(len(node.entries) - sum(restored))
         if not more:
             break
     assert len(node.entries) == count
-    # a slice is milliseconds (a collector pause may stretch one); the old restore
-    # blocked for one piece of most of a minute
+    # The restore is cut into slices of bounded work between requests (the old one did
+    # all of it in one piece that blocked the loop for most of a minute). Work is what
+    # is asserted; time only loosely, by the median slice, because a collector pause or
+    # a loaded machine can stretch any single one.
+    assert max(restored) <= md.restore_slice and len(slices) >= count // md.restore_slice
     slices.sort()
-    assert slices[len(slices) * 9 // 10] < 0.25, slices[-5:]
+    assert slices[len(slices) // 2] < 0.25, slices[-5:]
     return md, node
 
 
@@ -117,4 +127,8 @@ def test_a_full_disk_deletes_only_the_files_it_must() -> None:
     assert md.counters.disk_evictions == len(deleted) > 0
     assert node.disk_used <= node.disk_capacity * (md.disk_high - 0.05)
     # the work is what the plan did: files deleted, copies dropped, offloads ordered
-    assert CountingLRU.visited <= 2 * (len(orders) + released) + 64, (CountingLRU.visited, len(orders), released)
+    assert CountingLRU.visited <= 2 * (len(orders) + released) + 64, (
+        CountingLRU.visited,
+        len(orders),
+        released,
+    )

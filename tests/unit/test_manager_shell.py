@@ -30,7 +30,9 @@ def key(i: int) -> str:
 
 @pytest.fixture
 async def manager(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    config = load_config(overrides=[f"manager.metadata_url=sqlite:///{tmp_path / 'meta.db'}"], environ={})
+    config = load_config(
+        overrides=[f"manager.metadata_url=sqlite:///{tmp_path / 'meta.db'}"], environ={}
+    )
     service = ManagerService(config)
     async with TestClient(TestServer(service.app)) as client:
         yield client
@@ -45,12 +47,23 @@ async def call(client: TestClient[Any, Any], path: str, body: dict[str, Any]) ->
 
 async def join(client: TestClient[Any, Any], chunks: int) -> None:
     """A node with a disk and room for `chunks` chunks of memory."""
-    await call(client, "/v1/nodes/register", {**NODE, "address": "127.0.0.1:9", "capacity": chunks * CHUNK,
-                                              "transports": ["tcp"], "disk_capacity": 1 << 30})
+    await call(
+        client,
+        "/v1/nodes/register",
+        {
+            **NODE,
+            "address": "127.0.0.1:9",
+            "capacity": chunks * CHUNK,
+            "transports": ["tcp"],
+            "disk_capacity": 1 << 30,
+        },
+    )
 
 
 async def take_orders(client: TestClient[Any, Any]) -> list[dict[str, Any]]:
-    orders: list[dict[str, Any]] = (await call(client, "/v1/nodes/orders", {**NODE, "wait": 5}))["orders"]
+    orders: list[dict[str, Any]] = (await call(client, "/v1/nodes/orders", {**NODE, "wait": 5}))[
+        "orders"
+    ]
     return orders
 
 
@@ -61,18 +74,29 @@ async def stats(client: TestClient[Any, Any]) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("ok", [True, False])
-async def test_a_lookup_waits_for_its_reload_and_counts_once(manager: TestClient[Any, Any], ok: bool) -> None:
+async def test_a_lookup_waits_for_its_reload_and_counts_once(
+    manager: TestClient[Any, Any], ok: bool
+) -> None:
     await join(manager, 16)
-    adopted = await call(manager, "/v1/nodes/adopt", {**NODE, "files": [
-        {"key": key(1), "size": CHUNK, "checksum": SUM, "file_bytes": FILE}]})
+    adopted = await call(
+        manager,
+        "/v1/nodes/adopt",
+        {**NODE, "files": [{"key": key(1), "size": CHUNK, "checksum": SUM, "file_bytes": FILE}]},
+    )
     assert adopted == {"adopted": 1, "delete": []}
-    lookup = asyncio.ensure_future(call(manager, "/v1/lookup", {"keys": [key(1), key(2)], "wait": 5}))
+    lookup = asyncio.ensure_future(
+        call(manager, "/v1/lookup", {"keys": [key(1), key(2)], "wait": 5})
+    )
     (order,) = await take_orders(manager)  # the disk role gets the reload ...
     assert order["op"] == "reload" and order["key"] == key(1)
     await asyncio.sleep(0.05)
     assert not lookup.done()  # ... and the lookup waits for it
     result = {"op": "reload", "key": key(1), "gen": order["gen"], "ok": ok}
-    await call(manager, "/v1/nodes/done", {**NODE, "results": [result if ok else {**result, "reason": "checksum"}]})
+    await call(
+        manager,
+        "/v1/nodes/done",
+        {**NODE, "results": [result if ok else {**result, "reason": "checksum"}]},
+    )
     reply = await asyncio.wait_for(lookup, 5)
     s = await stats(manager)
     assert s["lookups"] == 1 and s["hits"] + s["misses"] == 2
@@ -89,15 +113,29 @@ async def test_an_allocate_waits_for_the_room_offloads_make(manager: TestClient[
     for i in range(9):
         reply = await call(manager, "/v1/allocate", {"items": [{"key": key(i), "size": CHUNK}]})
         assert reply["results"][0]["status"] == "allocated"
-        await call(manager, "/v1/commit", {"lease": reply["lease"], "items": [{"key": key(i), "checksum": SUM}]})
-    waiting = asyncio.ensure_future(call(manager, "/v1/allocate", {"items": [
-        {"key": key(100), "size": CHUNK}], "wait": 5}))
+        await call(
+            manager,
+            "/v1/commit",
+            {"lease": reply["lease"], "items": [{"key": key(i), "checksum": SUM}]},
+        )
+    waiting = asyncio.ensure_future(
+        call(manager, "/v1/allocate", {"items": [{"key": key(100), "size": CHUNK}], "wait": 5})
+    )
     orders = await take_orders(manager)  # offloads down to the low watermark
     assert orders and {o["op"] for o in orders} == {"offload"}
     await asyncio.sleep(0.05)
     assert not waiting.done()
-    await call(manager, "/v1/nodes/done", {**NODE, "results": [
-        {"op": "offload", "key": o["key"], "gen": o["gen"], "ok": True, "file_bytes": FILE} for o in orders]})
+    await call(
+        manager,
+        "/v1/nodes/done",
+        {
+            **NODE,
+            "results": [
+                {"op": "offload", "key": o["key"], "gen": o["gen"], "ok": True, "file_bytes": FILE}
+                for o in orders
+            ],
+        },
+    )
     reply = await asyncio.wait_for(waiting, 5)
     assert reply["results"][0]["status"] == "allocated"
     s = await stats(manager)

@@ -31,16 +31,17 @@ def key(i: int | str) -> str:
 A, B, C, D, E, F, G, H = (key(c) for c in "ABCDEFGH")
 
 
-def make(capacity: int = 4 * CHUNK, partitions: int = 4) -> tuple[Metadata, FakeClock, Node]:
+def make(capacity: int = 4 * CHUNK) -> tuple[Metadata, FakeClock, Node]:
     clock = FakeClock()
-    md = Metadata(partitions, READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(1))
+    md = Metadata(READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(1))
     node, new = md.register("n1", 1, "127.0.0.1:9001", capacity, "/dev/shm/n1", "host", ["tcp"])
     assert new
     return md, clock, node
 
 
-def tick(md: Metadata, clock: FakeClock, seconds: float, beat: bool = True,
-         step: float = 0.5) -> None:
+def tick(
+    md: Metadata, clock: FakeClock, seconds: float, beat: bool = True, step: float = 0.5
+) -> None:
     """Let time pass the way the shell sees it: expire() every `step`, nodes heartbeating
     (or silent when beat is False)."""
     end = clock.now + seconds
@@ -64,7 +65,7 @@ def store(md: Metadata, k: str, size: int = CHUNK, checksum: str = "0" * 16) -> 
 
 
 def ready_keys(md: Metadata) -> set[str]:
-    return {k for t in md.partitions for k, e in t.items() if e.state is State.READY}
+    return {k for k, e in md.entries.items() if e.state is State.READY}
 
 
 # -- nodes --------------------------------------------------------------------------------
@@ -82,13 +83,6 @@ def test_register_and_refresh() -> None:
     assert md.heartbeat("n1", 1)
     assert not md.heartbeat("n1", 2)
     assert not md.heartbeat("nope", 1)
-
-
-def test_table_partition_in_range() -> None:
-    md = Metadata(16, READ_TTL, WRITE_TTL, HB_TTL, clock=FakeClock())
-    assert md.table("0" * 32) is md.partitions[0]
-    assert md.table("f" * 32) is md.partitions[15]
-    assert md.table("8" + "0" * 31) is md.partitions[8]
 
 
 # -- allocate / commit --------------------------------------------------------------------
@@ -131,7 +125,11 @@ def test_batch_allocate_mixed_statuses() -> None:
     md.allocate([(B, CHUNK)])
     results, lease = md.allocate([(A, CHUNK), (B, CHUNK), (C, CHUNK), (C, CHUNK)])
     assert [r.status for r in results] == [
-        AllocStatus.EXISTS, AllocStatus.IN_PROGRESS, AllocStatus.ALLOCATED, AllocStatus.IN_PROGRESS]
+        AllocStatus.EXISTS,
+        AllocStatus.IN_PROGRESS,
+        AllocStatus.ALLOCATED,
+        AllocStatus.IN_PROGRESS,
+    ]
     assert lease is not None and set(md.write_leases[lease].entries) == {C}
 
 
@@ -240,8 +238,10 @@ def test_write_lease_expiry_frees_space() -> None:
     # the writer may still be landing bytes under its grant: the space waits out the grace
     expired_at = 1000.0 + WRITE_TTL
     assert node.allocator.used == used
-    assert sorted(node.quarantine) == [(expired_at + WRITE_GRACE, 0, CHUNK),
-                                       (expired_at + WRITE_GRACE, CHUNK, size_class(3 * KiB))]
+    assert sorted(node.quarantine) == [
+        (expired_at + WRITE_GRACE, 0, CHUNK),
+        (expired_at + WRITE_GRACE, CHUNK, size_class(3 * KiB)),
+    ]
     assert md.allocate([(C, 4 * CHUNK)])[0][0].status is AllocStatus.NO_SPACE
     tick(md, clock, expired_at + WRITE_GRACE - clock.now - 0.5)
     assert node.allocator.used == used  # not a moment early
@@ -316,8 +316,9 @@ def test_abort() -> None:
     clock.now += 10
     assert md.abort(lease, None) == 2
     assert node.allocator.used == 3 * CHUNK and lease not in md.write_leases
-    assert sorted(node.quarantine) == [(lease_expiry + WRITE_GRACE, o, CHUNK)
-                                       for o in (0, CHUNK, 2 * CHUNK)]
+    assert sorted(node.quarantine) == [
+        (lease_expiry + WRITE_GRACE, o, CHUNK) for o in (0, CHUNK, 2 * CHUNK)
+    ]
     assert md.abort(lease, None) == 0
     assert md.counters.aborts == 3
     assert md.commit(lease, [(A, "0" * 16)]) == {A: "lease_expired"}
@@ -652,14 +653,16 @@ def test_unregister_needs_the_right_incarnation() -> None:
 
 def test_placement_weighs_nodes_by_free_memory() -> None:
     clock = FakeClock()
-    md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(7))
+    md = Metadata(READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(7))
     old, _ = md.register("old", 1, "127.0.0.1:9001", 400 * CHUNK, "", "", ["tcp"])
     for i in range(300):  # a busy node: three quarters full
         md.allocate([(key(f"old{i}"), CHUNK)])
     assert old.allocator.used == 300 * CHUNK
     md.register("fresh", 1, "127.0.0.1:9002", 400 * CHUNK, "", "", ["tcp"])
-    placed = [md.allocate([(key(i), CHUNK)])[0][0].entry.node.node_id  # type: ignore[union-attr]
-              for i in range(100)]
+    placed = [
+        md.allocate([(key(i), CHUNK)])[0][0].entry.node.node_id  # type: ignore[union-attr]
+        for i in range(100)
+    ]
     # the restarted, empty node takes most new writes (about 4:1 by free memory) ...
     assert 65 <= placed.count("fresh") <= 92
     # ... but not all of them: it does not become the only place new KV lives

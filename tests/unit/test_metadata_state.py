@@ -48,7 +48,7 @@ class MetadataMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock, rng=random.Random(0))
+        self.md = Metadata(READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock, rng=random.Random(0))
         self.incarnations: dict[str, int] = {}
         self.entries: list[Entry] = []  # every entry ever allocated
         self.write_lease_ids: list[str] = []
@@ -68,10 +68,11 @@ class MetadataMachine(RuleBasedStateMachine):
     def _writing(self) -> list[tuple[Entry, int, int, float]]:
         """Every WRITING entry with its extent and its write lease's expiry."""
         out = []
-        for t in self.md.partitions:
-            for e in t.values():
-                if e.state is State.WRITING:
-                    out.append((e, e.offset, e.alloc_size, self.md.write_leases[e.write_lease or ""].expires))
+        for e in self.md.entries.values():
+            if e.state is State.WRITING:
+                out.append(
+                    (e, e.offset, e.alloc_size, self.md.write_leases[e.write_lease or ""].expires)
+                )
         return out
 
     def _check_quarantined(self, before: list[tuple[Entry, int, int, float]], since: float) -> None:
@@ -91,10 +92,10 @@ class MetadataMachine(RuleBasedStateMachine):
     # -- rules --------------------------------------------------------------------------
 
     def _ready_keys(self) -> list[str]:
-        return sorted(k for t in self.md.partitions for k, e in t.items() if e.state is State.READY)
+        return sorted(k for k, e in self.md.entries.items() if e.state is State.READY)
 
     def _table_keys(self) -> list[str]:
-        return sorted(k for t in self.md.partitions for k in t)
+        return sorted(self.md.entries)
 
     def _live_read_leases(self) -> list[str]:
         return [lid for lid in self.read_lease_ids if lid in self.md.read_leases]
@@ -130,7 +131,8 @@ class MetadataMachine(RuleBasedStateMachine):
                 # it was being written before, or earlier in this very batch
                 prior = before[r.key]
                 assert (prior is not None and prior.state is State.WRITING) or any(
-                    a.key == r.key for a in allocated)
+                    a.key == r.key for a in allocated
+                )
         if lease is not None:
             self.write_lease_ids.append(lease)
         return results, lease
@@ -143,11 +145,12 @@ class MetadataMachine(RuleBasedStateMachine):
         lease = data.draw(st.sampled_from(open_leases or self.write_lease_ids))
         live = self.md.write_leases.get(lease)
         candidates = sorted(live.entries) if live is not None else []
-        if candidates and data.draw(st.booleans()):
+        if len(candidates) > 0 and data.draw(st.booleans()):
             keys = candidates
         else:
-            keys = data.draw(st.lists(st.sampled_from(candidates + KEYS[:2]), unique=True,
-                                      max_size=4))
+            keys = data.draw(
+                st.lists(st.sampled_from(candidates + KEYS[:2]), unique=True, max_size=4)
+            )
         out = self.md.commit(lease, [(k, "0123456789abcdef") for k in keys])
         assert set(out) == set(keys)
         for k, why in out.items():
@@ -169,8 +172,11 @@ class MetadataMachine(RuleBasedStateMachine):
         writing = self._writing()
         live = self.md.write_leases.get(lease)
         if live is not None:
-            victims = [live.entries[k] for k in (live.entries if keys is None else keys)
-                       if k in live.entries]
+            victims = [
+                live.entries[k]
+                for k in (live.entries if keys is None else keys)
+                if k in live.entries
+            ]
         self.md.abort(lease, keys)
         for entry in victims:
             assert entry.dropped and self.md.get(entry.key) is not entry
@@ -186,10 +192,11 @@ class MetadataMachine(RuleBasedStateMachine):
 
     def _lookup(self, data: st.DataObject, take: bool) -> None:
         # mostly keys that are ready, so that hits and read leases are common
-        keys = data.draw(st.lists(st.sampled_from(self._ready_keys() or KEYS), min_size=1,
-                                  max_size=4)) + data.draw(st.lists(keys_st, max_size=1))
+        keys = data.draw(
+            st.lists(st.sampled_from(self._ready_keys() or KEYS), min_size=1, max_size=4)
+        ) + data.draw(st.lists(keys_st, max_size=1))
         hits, lease = self.md.lookup(keys, take)
-        assert [e.key for e in hits] == keys[:len(hits)]
+        assert [e.key for e in hits] == keys[: len(hits)]
         for e in hits:
             assert e.state is State.READY and not e.dropped
             assert e.readers >= (1 if take else 0)
@@ -205,10 +212,19 @@ class MetadataMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         pool = self._live_read_leases() or self.read_lease_ids or ["0" * 16]
         leases = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=3))
-        held = {e.key: e for lid in leases if lid in self.md.read_leases
-                for e in self.md.read_leases[lid].entries}
-        corrupt = data.draw(st.lists(st.sampled_from(sorted(held) + self._ready_keys()[:3] + KEYS[:1]),
-                                     unique=True, max_size=2))
+        held = {
+            e.key: e
+            for lid in leases
+            if lid in self.md.read_leases
+            for e in self.md.read_leases[lid].entries
+        }
+        corrupt = data.draw(
+            st.lists(
+                st.sampled_from(sorted(held) + self._ready_keys()[:3] + KEYS[:1]),
+                unique=True,
+                max_size=2,
+            )
+        )
         before = {k: self.md.get(k) for k in corrupt}
         failures = self.md.counters.checksum_failures
         out = self.md.release(leases, corrupt)
@@ -246,9 +262,11 @@ class MetadataMachine(RuleBasedStateMachine):
             self.removed.add(id(entry))
         self._check_quarantined(writing, self.clock.now)
 
-    @rule(seconds=st.sampled_from([0.5, 1.0, 2.0, 4.0, 6.0, 31.0]),
-          event=st.sampled_from(["beat"] * 5 + ["silent", "stall", "restart"]),
-          node_id=st.sampled_from(sorted(NODES)))
+    @rule(
+        seconds=st.sampled_from([0.5, 1.0, 2.0, 4.0, 6.0, 31.0]),
+        event=st.sampled_from(["beat"] * 5 + ["silent", "stall", "restart"]),
+        node_id=st.sampled_from(sorted(NODES)),
+    )
     def time_passes(self, seconds: float, event: str, node_id: str) -> None:
         """Time passes with every node heartbeating, or with `node_id` silent, or with
         the manager itself stalled (one late expire), or `node_id` restarts."""
@@ -260,7 +278,9 @@ class MetadataMachine(RuleBasedStateMachine):
             return
         if event == "restart":
             old = self.md.nodes[node_id]
-            old.last_heartbeat = min(old.last_heartbeat, self.clock.now - HB_TTL / 2)  # it was down a while
+            old.last_heartbeat = min(
+                old.last_heartbeat, self.clock.now - HB_TTL / 2
+            )  # it was down a while
             self._register(node_id)
             assert not old.alive
             assert all(e.dropped for e in self.entries if e.node is old)
@@ -296,7 +316,7 @@ class MetadataMachine(RuleBasedStateMachine):
 
     @invariant()
     def table_matches_entries(self) -> None:
-        in_table = [e for t in self.md.partitions for e in t.values()]
+        in_table = list(self.md.entries.values())
         for e in in_table:
             assert not e.dropped and e.node.alive
             assert self.md.get(e.key) is e
@@ -310,13 +330,18 @@ class MetadataMachine(RuleBasedStateMachine):
         for node in self.md.nodes.values():
             if not node.alive:
                 continue
-            live = [e for e in self.entries if e.node is node
-                    and (self.md.get(e.key) is e or (e.dropped and e.readers > 0))]
+            live = [
+                e
+                for e in self.entries
+                if e.node is node and (self.md.get(e.key) is e or (e.dropped and e.readers > 0))
+            ]
             # dropped WRITING entries wait out their writer's grant in quarantine
             held = node.quarantine
             assert node.allocator.used == sum(e.alloc_size for e in live) + sum(q[2] for q in held)
-            spans = sorted([(e.offset, e.offset + e.alloc_size) for e in live]
-                           + [(offset, offset + length) for _, offset, length in held])
+            spans = sorted(
+                [(e.offset, e.offset + e.alloc_size) for e in live]
+                + [(offset, offset + length) for _, offset, length in held]
+            )
             for (_, end), (start, _) in itertools.pairwise(spans):
                 assert end <= start, "extents overlap"
             assert all(s >= 0 and e <= node.allocator.capacity for s, e in spans)
@@ -329,7 +354,7 @@ class MetadataMachine(RuleBasedStateMachine):
 
     @invariant()
     def stats_match_tables(self) -> None:
-        ready = [e for t in self.md.partitions for e in t.values() if e.state is State.READY]
+        ready = [e for e in self.md.entries.values() if e.state is State.READY]
         stats = self.md.stats()
         assert stats["keys_memory"] == len(ready)
         assert stats["bytes_memory"] == sum(e.size for e in ready)
@@ -347,11 +372,10 @@ class MetadataMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_writing_entry_is_under_an_open_write_lease(self) -> None:
-        for t in self.md.partitions:
-            for k, e in t.items():
-                if e.state is State.WRITING:
-                    lease = self.md.write_leases.get(e.write_lease or "")
-                    assert lease is not None and lease.entries.get(k) is e
+        for k, e in self.md.entries.items():
+            if e.state is State.WRITING:
+                lease = self.md.write_leases.get(e.write_lease or "")
+                assert lease is not None and lease.entries.get(k) is e
 
     @invariant()
     def leased_entries_are_never_evicted(self) -> None:

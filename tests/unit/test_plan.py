@@ -18,13 +18,18 @@ from polarkv_lib.tools.plan import (
     plan,
     plan_budget,
 )
+from tests.conftest import assert_usage_error
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "polarkv.py"), "plan", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "polarkv.py"), "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_rates() -> None:
@@ -101,11 +106,15 @@ def test_disk_class_rule() -> None:
 
 def test_custom_price_file(tmp_path: Path) -> None:
     table = tmp_path / "prices.toml"
-    table.write_text('currency = "USD"\n[[vm]]\nname = "a"\ncache_memory = "100GB"\n'
-                     'nic = "8Gbps"\nmonthly = 100\n[disk.X]\ngib_monthly = 0.1\nbase_mbps = 0\n'
-                     'per_gib_mbps = 1\nmax_mbps = 1000\nmin_gib = 1\nmax_gib = 10000\n'
-                     '[plan]\ntiered_disk_class = "X"\n')
-    done = run_cli("--prices", str(table), "--bandwidth", "2GB/s", "--capacity", "1000GiB", "--json")
+    table.write_text(
+        'currency = "USD"\n[[vm]]\nname = "a"\ncache_memory = "100GB"\n'
+        'nic = "8Gbps"\nmonthly = 100\n[disk.X]\ngib_monthly = 0.1\nbase_mbps = 0\n'
+        "per_gib_mbps = 1\nmax_mbps = 1000\nmin_gib = 1\nmax_gib = 10000\n"
+        '[plan]\ntiered_disk_class = "X"\n'
+    )
+    done = run_cli(
+        "--prices", str(table), "--bandwidth", "2GB/s", "--capacity", "1000GiB", "--json"
+    )
     assert done.returncode == 0, done.stderr
     out = orjson.loads(done.stdout)
     designs = {d["name"]: d for d in out["designs"]}
@@ -119,20 +128,21 @@ def test_custom_price_file(tmp_path: Path) -> None:
     assert designs["disk_only"]["disk_bytes"] == 2000 * GIB
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--bandwidth", "lots"], "not a rate"),
-    (["--capacity", "big"], "not a size"),
-    (["--budget", "x"], "--budget must be a number"),
-    (["--disk-class", "PL3"], "go together"),
-    (["--disk-class", "PL9", "--disk-bandwidth", "1GB/s"], "unknown disk class"),
-    (["--prices", "/nonexistent/prices.toml"], "cannot read price table"),
-    (["--bandwidth", "0GB/s"], "must be positive"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bandwidth", "lots"], "not a rate"),
+        (["--capacity", "big"], "not a size"),
+        (["--budget", "x"], "--budget must be a number"),
+        (["--disk-class", "PL3"], "go together"),
+        (["--disk-class", "PL9", "--disk-bandwidth", "1GB/s"], "unknown disk class"),
+        (["--prices", "/nonexistent/prices.toml"], "cannot read price table"),
+        (["--bandwidth", "0GB/s"], "must be positive"),
+    ],
+)
 def test_bad_flags_one_line(args: list[str], message: str) -> None:
     done = run_cli(*args)
-    assert done.returncode == 2, done.stdout
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert_usage_error(done, message)
 
 
 def test_bad_price_table(tmp_path: Path) -> None:

@@ -54,7 +54,9 @@ def fresh_probe() -> Iterator[None]:
     registry._probed.clear()
 
 
-def test_either_enum_module_is_accepted(v: rdma_verbs.Verbs, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_either_enum_module_is_accepted(
+    v: rdma_verbs.Verbs, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # rdma-core 44 has only pyverbs.enums, the newest only pyverbs.libibverbs_enums,
     # some releases both: the newer is preferred, the older is the fallback.
     have_new = importlib.util.find_spec("pyverbs.libibverbs_enums") is not None
@@ -157,8 +159,9 @@ def test_choose_is_pure() -> None:
         registry.choose("udp")
 
 
-def test_auto_probes_only_for_a_slab_that_offers_rdma(fresh_probe: None,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_probes_only_for_a_slab_that_offers_rdma(
+    fresh_probe: None, caplog: pytest.LogCaptureFixture
+) -> None:
     from polarkv_lib.transport.base import NodeTarget
 
     plain = NodeTarget("a", "10.0.0.9:1", 1, "", "elsewhere", ("tcp",))
@@ -185,12 +188,16 @@ def test_auto_probes_only_for_a_slab_that_offers_rdma(fresh_probe: None,
 def test_importing_pyverbs_leaves_logging_alone(v: rdma_verbs.Verbs) -> None:
     # pyverbs.base calls logging.basicConfig(level=INFO) at import; a client must not
     # inherit a stderr handler from that (engines and --log-format json own stderr).
-    code = ("import logging; from polarkv_lib.transport import AutoRdma;"
-            "from polarkv_lib.transport.base import NodeTarget;"
-            "t = AutoRdma(1); t.usable(NodeTarget('b', '10.0.0.8:1', 1, '', 'x', ('tcp', 'rdma')));"
-            "logging.getLogger('polarkv.client').info('must not show'); t.close();"
-            "r = logging.getLogger(); print(len(r.handlers), r.level)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=ROOT, timeout=60, check=False)
+    code = (
+        "import logging; from polarkv_lib.transport import AutoRdma;"
+        "from polarkv_lib.transport.base import NodeTarget;"
+        "t = AutoRdma(1); t.usable(NodeTarget('b', '10.0.0.8:1', 1, '', 'x', ('tcp', 'rdma')));"
+        "logging.getLogger('polarkv.client').info('must not show'); t.close();"
+        "r = logging.getLogger(); print(len(r.handlers), r.level)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, cwd=ROOT, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.split() == [b"0", str(logging.WARNING).encode()]
     assert done.stderr == b""

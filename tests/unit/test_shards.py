@@ -85,9 +85,14 @@ def test_engine_adapters_take_a_list_of_shard_urls() -> None:
     from polarkv_lib.integrations.common import settings_from_extra
 
     urls = ["http://10.0.0.2:8170", "http://10.0.0.3:8170/"]
-    assert settings_from_extra({"manager_url": urls}).manager_url == "http://10.0.0.2:8170,http://10.0.0.3:8170"
-    assert settings_from_extra({"manager_url": ",".join(urls)}).manager_url == \
-        "http://10.0.0.2:8170,http://10.0.0.3:8170"
+    assert (
+        settings_from_extra({"manager_url": urls}).manager_url
+        == "http://10.0.0.2:8170,http://10.0.0.3:8170"
+    )
+    assert (
+        settings_from_extra({"manager_url": ",".join(urls)}).manager_url
+        == "http://10.0.0.2:8170,http://10.0.0.3:8170"
+    )
     for bad in (None, [], ["10.0.0.2:8170"], [urls[0], urls[0]]):
         with pytest.raises(ValueError, match="manager_url"):
             settings_from_extra({"manager_url": bad})

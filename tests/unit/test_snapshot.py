@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.model import AllocStatus, Residency
 from polarkv_lib.manager.rows import Batch, EntryRow, NodeRow
+from polarkv_lib.manager.snapshot import synthetic_rows
 
 KiB = 1024
 CAPACITY = 64 * 64 * KiB
@@ -28,7 +29,7 @@ class FakeClock:
 
 
 def core(clock: FakeClock) -> Metadata:
-    return Metadata(4, 5.0, 30.0, 3.0, clock=clock, rng=random.Random(1), wall=lambda: 1.7e9)
+    return Metadata(5.0, 30.0, 3.0, clock=clock, rng=random.Random(1), wall=lambda: 1.7e9)
 
 
 def join(md: Metadata) -> None:
@@ -46,21 +47,33 @@ def persisted(batch: Batch, store: dict[str, EntryRow]) -> None:
 def view(md: Metadata) -> dict[str, tuple[str, str, int, str, int, int]]:
     """Everything a restart must keep, per ready key."""
     out = {}
-    for table in md.partitions:
-        for key, e in table.items():
-            out[key] = (e.node.node_id, e.residency.value, e.size, e.checksum,
-                        e.offset if e.in_memory else 0, e.file_bytes if e.on_disk else 0)
+    for key, e in md.entries.items():
+        out[key] = (
+            e.node.node_id,
+            e.residency.value,
+            e.size,
+            e.checksum,
+            e.offset if e.in_memory else 0,
+            e.file_bytes if e.on_disk else 0,
+        )
     return out
 
 
-ops_st = st.lists(st.tuples(st.sampled_from(["store", "delete", "offload", "adopt"]),
-                            st.integers(0, len(KEYS) - 1), st.integers(1, 96 * KiB)),
-                  max_size=60)
+ops_st = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "delete", "offload", "adopt"]),
+        st.integers(0, len(KEYS) - 1),
+        st.integers(1, 96 * KiB),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=60, deadline=None)
 @given(ops_st, st.integers(1, 7))
-def test_restore_of_take_changes_round_trips(ops: list[tuple[str, int, int]], slice_rows: int) -> None:
+def test_restore_of_take_changes_round_trips(
+    ops: list[tuple[str, int, int]], slice_rows: int
+) -> None:
     clock = FakeClock()
     md = core(clock)
     join(md)
@@ -80,7 +93,9 @@ def test_restore_of_take_changes_round_trips(ops: list[tuple[str, int, int]], sl
                 md.plan_tiering()
                 for order in md.take_orders("d1"):
                     if order.op == "offload":
-                        md.offload_done("d1", order.key, order.gen, True, file_bytes=order.size + 4096)
+                        md.offload_done(
+                            "d1", order.key, order.gen, True, file_bytes=order.size + 4096
+                        )
         else:
             md.adopt("d1", 1, [(key, size, SUM, size + 4096)])
         if i % 5 == 0:  # flushes happen in between, too
@@ -88,8 +103,19 @@ def test_restore_of_take_changes_round_trips(ops: list[tuple[str, int, int]], sl
     nodes = md.take_changes()
     persisted(nodes, store)
     before = view(md)
-    node_rows = [NodeRow(n.node_id, n.incarnation, n.address, n.capacity, n.disk_capacity, n.shm_path,
-                         n.host_id, ",".join(n.transports)) for n in md.nodes.values()]
+    node_rows = [
+        NodeRow(
+            n.node_id,
+            n.incarnation,
+            n.address,
+            n.capacity,
+            n.disk_capacity,
+            n.shm_path,
+            n.host_id,
+            ",".join(n.transports),
+        )
+        for n in md.nodes.values()
+    ]
 
     again = core(FakeClock())
     again.restore(node_rows, list(store.values()))
@@ -100,19 +126,47 @@ def test_restore_of_take_changes_round_trips(ops: list[tuple[str, int, int]], sl
     assert view(again) == before
     for node_id in ("m1", "d1"):
         old, new = md.nodes[node_id], again.nodes[node_id]
-        assert (new.allocator.used, new.lru_extent, new.disk_used, len(new.lru), new.ready_bytes) == (
-            old.allocator.used, old.lru_extent, old.disk_used, len(old.lru), old.ready_bytes)
+        assert (
+            new.allocator.used,
+            new.lru_extent,
+            new.disk_used,
+            len(new.lru),
+            new.ready_bytes,
+        ) == (old.allocator.used, old.lru_extent, old.disk_used, len(old.lru), old.ready_bytes)
         assert not new.restoring
-    # and what the restored core writes is what was read
-    rows = {r.key: r for r in again.take_changes().entries}
+    # and what the restored core writes is what was read; rows that came back exactly as
+    # persisted are not written again (a restore must not rewrite the whole table)
+    changes = again.take_changes()
+    rows = {r.key: r for r in changes.entries}
     assert {k: r for k, r in rows.items()} == {k: store[k] for k in rows}
-    assert set(rows) == set(store)
+    assert changes.deleted_keys == []
+    assert not rows  # same incarnations, same buffers: every row came back as it was
+
+
+def test_a_restore_writes_back_only_what_changed() -> None:
+    clock = FakeClock()
+    md = core(clock)
+    node = NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")
+    rows = synthetic_rows(node, 500, 4096)
+    md.restore([node], rows)
+    md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])
+    while md.restore_step(64):
+        pass
+    assert md.stats()["keys_memory"] == 500
+    assert len(md.take_changes()) == 1  # only the node's own row
+    # a new incarnation lost the buffer: every row is deleted from the store
+    clock.now += 2.0  # the old one missed its heartbeats
+    md.register("m1", 2, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])
+    assert len(md.take_changes().deleted_keys) == 500
 
 
 def test_a_restoring_node_serves_misses_and_takes_no_new_writes() -> None:
     md = core(FakeClock())
     md.restore_slice = 5
-    rows = [EntryRow(KEYS[i], "m1", 1, 4096, SUM, i * 4096, 4096, True, False, 0, 1.0) for i in range(40)]
+    rows = [
+        EntryRow(KEYS[i], "m1", 1, 4096, SUM, i * 4096, 4096, True, False, 0, 1.0)
+        for i in range(40)
+    ]
     md.restore([NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")], rows[::-1])
     md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])  # kept its buffer
     assert md.restoring  # one slice ran inside register: the first 5 by address
@@ -136,7 +190,10 @@ def test_a_restoring_node_serves_misses_and_takes_no_new_writes() -> None:
 def test_a_node_that_dies_while_restoring_gives_up_the_rest() -> None:
     md = core(FakeClock())
     md.restore_slice = 5
-    rows = [EntryRow(KEYS[i], "m1", 1, 4096, SUM, i * 4096, 4096, True, False, 0, 1.0) for i in range(20)]
+    rows = [
+        EntryRow(KEYS[i], "m1", 1, 4096, SUM, i * 4096, 4096, True, False, 0, 1.0)
+        for i in range(20)
+    ]
     md.restore([NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")], rows)
     md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])
     assert md.unregister("m1", 1)

@@ -20,9 +20,18 @@ def key(i: int) -> str:
 
 
 def test_tokens_map_to_tenants_and_keys_to_namespaces() -> None:
-    assert parse_tenants(["a:tokentoken", "b:other-token"]) == {"tokentoken": "a", "other-token": "b"}
-    for bad in (["a"], [":tokentoken"], ["a:short"], ["a:tokentoken", "a:tokentoke2"],
-                ["a:tokentoken", "b:tokentoken"], ["a b:tokentoken"]):
+    assert parse_tenants(["a:tokentoken", "b:other-token"]) == {
+        "tokentoken": "a",
+        "other-token": "b",
+    }
+    for bad in (
+        ["a"],
+        [":tokentoken"],
+        ["a:short"],
+        ["a:tokentoken", "a:tokentoke2"],
+        ["a:tokentoken", "b:tokentoken"],
+        ["a b:tokentoken"],
+    ):
         with pytest.raises(ValueError):
             parse_tenants(bad)
     tenants = Tenants(["a:tokentoken"], token="plain-token")
@@ -39,7 +48,7 @@ def test_tokens_map_to_tenants_and_keys_to_namespaces() -> None:
 
 
 def core() -> Metadata:
-    md = Metadata(1, 5.0, 30.0, 3.0, clock=lambda: 1000.0, rng=random.Random(1))
+    md = Metadata(5.0, 30.0, 3.0, clock=lambda: 1000.0, rng=random.Random(1))
     md.register("n1", 1, "127.0.0.1:1", 64 * CHUNK, "", "h", ["tcp"])
     return md
 
@@ -59,8 +68,16 @@ def test_each_tenant_is_counted_apart() -> None:
     op = md.begin_lookup([a, scoped_key("a", key(2))], take_lease=False, tenant="a")
     assert [e.key for e in op.served] == [a] and md.get(a) is not md.get(b)
     views = md.tenant_views()
-    assert views["a"] == {"lookups": 1, "hits": 1, "misses": 1, "allocations": 1, "alloc_no_space": 0,
-                          "commits": 1, "keys_memory": 1, "bytes_memory": CHUNK}
+    assert views["a"] == {
+        "lookups": 1,
+        "hits": 1,
+        "misses": 1,
+        "allocations": 1,
+        "alloc_no_space": 0,
+        "commits": 1,
+        "keys_memory": 1,
+        "bytes_memory": CHUNK,
+    }
     assert views["b"]["lookups"] == 0 and views["b"]["bytes_memory"] == CHUNK
     assert md.delete(b) and md.tenant_views()["b"]["keys_memory"] == 0
 
@@ -81,5 +98,6 @@ def test_a_quota_evicts_the_tenants_own_oldest_entries_first() -> None:
     assert md.counters.evictions == 2
     # a batch bigger than the quota keeps its head (its own entries are protected)
     assert store(md, "a", [scoped_key("a", key(i)) for i in range(10, 14)]) == (
-        [AllocStatus.ALLOCATED] * 2 + [AllocStatus.NO_SPACE] * 2)
+        [AllocStatus.ALLOCATED] * 2 + [AllocStatus.NO_SPACE] * 2
+    )
     assert md.release([lease or ""]).released == 1 and hits

@@ -52,12 +52,13 @@ X, Y, Z = key("X"), key("Y"), key("Z")
 
 def new_md(**kw: float) -> tuple[Metadata, FakeClock]:
     clock = FakeClock()
-    return Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(0), **kw), clock  # type: ignore[arg-type]
+    return Metadata(READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(0), **kw), clock  # type: ignore[arg-type]
 
 
 def add(md: Metadata, node_id: str, chunks: int, disk_files: int = 0, incarnation: int = 1) -> Node:
-    node, new = md.register(node_id, incarnation, f"{node_id}:1", chunks * CHUNK, "", "host",
-                            ["tcp"], disk_files * FILE)
+    node, new = md.register(
+        node_id, incarnation, f"{node_id}:1", chunks * CHUNK, "", "host", ["tcp"], disk_files * FILE
+    )
     assert new and node.has_disk == (disk_files > 0)
     return node
 
@@ -109,8 +110,16 @@ def adopt(md: Metadata, node: Node, keys: list[str]) -> list[Entry]:
 
 
 def order_for(entry: Entry, op: str) -> Order:
-    return Order(TierOp(op), entry.key, entry.gen, entry.node.node_id, entry.offset, entry.size,
-                 entry.alloc_size, entry.checksum)
+    return Order(
+        TierOp(op),
+        entry.key,
+        entry.gen,
+        entry.node.node_id,
+        entry.offset,
+        entry.size,
+        entry.alloc_size,
+        entry.checksum,
+    )
 
 
 # -- planning -----------------------------------------------------------------------------
@@ -319,6 +328,7 @@ def with_a_clean_copy() -> tuple[Metadata, Node]:
     md.plan_tiering()
     (order,) = md.take_orders("d1")
     _, lease = md.lookup([K[0]], take_lease=True)  # keeps its memory copy past the offload
+    assert lease is not None
     md.lookup(K[1:9], take_lease=False)
     md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     md.release([lease])
@@ -341,6 +351,7 @@ def test_offload_disk_full_degrades_to_eviction() -> None:
     orders = md.take_orders("d1")
     assert ops(orders) == [("offload", K[0]), ("offload", K[1])]
     _, lease = md.lookup([K[1]], take_lease=True)
+    assert lease is not None
     answer(md, orders, ok=False, reason="disk_full")
     assert md.get(K[0]) is None  # evicted: memory freed at once
     assert d.allocator.used == 8 * CHUNK
@@ -480,6 +491,7 @@ def test_settle_before_the_reload_answers_ends_the_prefix_there() -> None:
     (m0,) = store(md, [K[0]])
     (x,) = adopt(md, d, [X])
     hits, lease = md.lookup([K[0], X], take_lease=True)
+    assert lease is not None
     (order,) = md.take_orders("d1")
     assert md.settle_lookup(lease, hits) == [m0]  # the caller stopped waiting
     assert x.readers == 0 and x.reloading and md.read_leases[lease].entries == [m0]
@@ -514,6 +526,29 @@ def test_reload_without_room_ends_the_prefix_and_asks_for_room() -> None:
     assert (x2.on_disk, x3.on_disk) == (True, True)
 
 
+def test_a_lookup_short_of_room_waits_for_other_readers_then_reloads() -> None:
+    """Memory full of copies that another request is reading: the reload cannot start
+    and no offload can help, but that reader's release will; the lookup may wait for it
+    (others_reading) and its next pass reloads into the room the release made."""
+    md, d = with_a_clean_copy()
+    (x,) = adopt(md, d, [X])
+    _, other = md.lookup(K[:9], take_lease=True)  # another request reads all of memory
+    assert other is not None
+    op = md.begin_lookup([X], take_lease=True)
+    assert op.wait_room and not op.done and op.reloads == [] and op.served == []
+    assert not md.room_coming()  # every copy is leased: nothing to offload
+    assert md.others_reading(op)
+    md.release([other])
+    assert not md.others_reading(op)
+    md.continue_lookup(op)
+    assert op.reloads == [x.gen]  # K0's clean copy made the room
+    assert tiers(md, K[0]) == ["disk"]
+    answer(md, md.take_orders("d1"))
+    md.settle(op)
+    assert [e.key for e in op.served] == [X] and op.done and op.lease is not None
+    md.release([op.lease])
+
+
 def test_reload_does_not_push_out_an_earlier_hit_of_the_same_lookup() -> None:
     md, d = with_a_clean_copy()
     (x,) = adopt(md, d, [X])
@@ -535,7 +570,9 @@ def test_disk_lru_deletes_the_oldest_files_above_disk_high() -> None:
     d, _ = md.register("d1", 1, "d1:1", 10 * CHUNK, "", "host", ["tcp"], 10 * FILE + 1000)
     (m,) = store(md, [K[0]])
     files = K[10:21]
-    assert md.adopt("d1", 1, [(K[0], CHUNK, SUM, FILE)] + [(k, CHUNK, SUM, FILE) for k in files]) == []
+    assert (
+        md.adopt("d1", 1, [(K[0], CHUNK, SUM, FILE)] + [(k, CHUNK, SUM, FILE) for k in files]) == []
+    )
     assert d.disk_used == 12 * FILE and tiers(md, K[0]) == ["memory", "disk"]
     gens = {k: md.get(k).gen for k in files}  # type: ignore[union-attr]
     md.lookup([files[0]], take_lease=False)  # used: no longer among the oldest
@@ -602,6 +639,7 @@ def test_delete_of_disk_entries_queues_file_deletes() -> None:
     md.plan_tiering()
     (order,) = md.take_orders("d1")
     _, lease = md.lookup([K[0]], take_lease=True)
+    assert lease is not None
     md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     md.release([lease])
     assert tiers(md, K[0]) == ["memory", "disk"]
@@ -701,7 +739,7 @@ def test_node_death_drops_everything_without_orders() -> None:
     answer(md, offloads[2:] + reloads)
     assert d.orders == [] and md.counters.offloads == offloaded and md.counters.reloads == 0
     assert md.release([lease, lease_y]).released == 2  # type: ignore[list-item]
-    assert other.alive and all(e.node is other for t in md.partitions for e in t.values())
+    assert other.alive and all(e.node is other for e in md.entries.values())
     # it comes back as a new incarnation and reports its files again
     back = add(md, "d1", 10, disk_files=20, incarnation=2)
     assert md.adopt("d1", 1, [(X, CHUNK, SUM, FILE)]) is None  # the old incarnation
@@ -727,8 +765,14 @@ def test_adopt() -> None:
     assert md.adopt("nope", 1, []) is None
     assert md.adopt("d1", 1, []) == []
 
-    files = [(X, CHUNK, SUM, FILE), (Y, 2 * CHUNK, SUM, 2 * FILE), (match, CHUNK, SUM, FILE),
-             (mismatch, CHUNK, SUM, FILE), (writing, CHUNK, SUM, FILE), (elsewhere, CHUNK, SUM, FILE)]
+    files = [
+        (X, CHUNK, SUM, FILE),
+        (Y, 2 * CHUNK, SUM, 2 * FILE),
+        (match, CHUNK, SUM, FILE),
+        (mismatch, CHUNK, SUM, FILE),
+        (writing, CHUNK, SUM, FILE),
+        (elsewhere, CHUNK, SUM, FILE),
+    ]
     delete = md.adopt("d1", 1, files)
     # files the manager has other (or newer) copies of are the disk role's to delete
     assert delete == [mismatch, writing, elsewhere]
@@ -794,7 +838,7 @@ def test_unanswered_orders_time_out() -> None:
     assert tiers(md, k0.key) == ["memory"] and d.disk_used == FILE
     md.reload_done("d1", X, reload.gen, True)
     assert tiers(md, X) == ["disk"] and md.counters.reloads == 0
-    assert md.release([lease]).released == 0  # type: ignore[list-item]  # it ran out meanwhile
+    assert md.release([lease]).released == 0  # it ran out meanwhile
     clock.now += ORDER_TIMEOUT
     md.expire()  # another stall-sized step: the quarantined extent comes back
     assert d.alive and d.quarantine == [] and d.allocator.used == 8 * CHUNK
@@ -832,7 +876,7 @@ class TieringMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.md = Metadata(4, READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock, rng=random.Random(0))
+        self.md = Metadata(READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock, rng=random.Random(0))
         self.incarnations: dict[str, int] = {}
         self.seen: dict[int, Entry] = {}  # every entry ever in a table, by id
         self.write_lease_ids: list[str] = []
@@ -854,7 +898,9 @@ class TieringMachine(RuleBasedStateMachine):
         self.in_flight[node_id] = []  # the old incarnation's answers are refused
         if disk:
             # the slab comes back with its files and reports them
-            files = [(k, size, checksum, fb) for k, (size, checksum, fb) in self.disks[node_id].items()]
+            files = [
+                (k, size, checksum, fb) for k, (size, checksum, fb) in self.disks[node_id].items()
+            ]
             delete = self.md.adopt(node_id, inc, files)
             assert delete is not None
             for k in delete:
@@ -866,21 +912,24 @@ class TieringMachine(RuleBasedStateMachine):
         self._learn()
 
     def _learn(self) -> None:
-        for t in self.md.partitions:
-            for e in t.values():
-                self.seen.setdefault(id(e), e)
+        for e in self.md.entries.values():
+            self.seen.setdefault(id(e), e)
 
     def _entry_of(self, order: Order) -> Entry | None:
-        return next((e for e in self.seen.values() if e.gen == order.gen and e.key == order.key), None)
+        return next(
+            (e for e in self.seen.values() if e.gen == order.gen and e.key == order.key), None
+        )
 
     def _table(self) -> list[Entry]:
-        return [e for t in self.md.partitions for e in t.values()]
+        return list(self.md.entries.values())
 
     def _ready_keys(self) -> list[str]:
         return sorted(e.key for e in self._table() if e.state is State.READY)
 
-    @initialize(sizes=st.lists(st.sampled_from([16 * KiB, 32 * KiB]), min_size=6, max_size=12),
-                files=st.lists(st.sampled_from([16 * KiB, 32 * KiB]), max_size=6))
+    @initialize(
+        sizes=st.lists(st.sampled_from([16 * KiB, 32 * KiB]), min_size=6, max_size=12),
+        files=st.lists(st.sampled_from([16 * KiB, 32 * KiB]), max_size=6),
+    )
     def warm_up(self, sizes: list[int], files: list[int]) -> None:
         """Start near the watermarks, so that runs spend their steps on tiering: d1 was
         restarted with files on its disk, and some prompts were stored."""
@@ -889,7 +938,7 @@ class TieringMachine(RuleBasedStateMachine):
         if files:
             self.md.unregister("d1", self.incarnations["d1"])
             self._register("d1")
-        for k, size in zip(MACHINE_KEYS[-len(sizes):], sizes, strict=True):
+        for k, size in zip(MACHINE_KEYS[-len(sizes) :], sizes, strict=True):
             self.store([(k, size)])
 
     # -- writes -----------------------------------------------------------------------------
@@ -900,7 +949,9 @@ class TieringMachine(RuleBasedStateMachine):
         self._learn()
         if lease is not None:
             mine = [r.key for r in results if r.status is AllocStatus.ALLOCATED]
-            assert self.md.commit(lease, [(k, SUM) for k in mine]) == dict.fromkeys(mine, "committed")
+            assert self.md.commit(lease, [(k, SUM) for k in mine]) == dict.fromkeys(
+                mine, "committed"
+            )
         self.plan()  # the shell plans after every write
 
     @rule(items=st.lists(st.tuples(machine_keys, machine_sizes), min_size=1, max_size=3))
@@ -929,8 +980,9 @@ class TieringMachine(RuleBasedStateMachine):
         assert self.md.delete(k) == (entry is not None)
         if had_file:
             assert entry is not None
-            assert any(o.op == "delete" and o.key == k and o.gen == entry.gen
-                       for o in entry.node.orders)
+            assert any(
+                o.op == "delete" and o.key == k and o.gen == entry.gen for o in entry.node.orders
+            )
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -946,12 +998,15 @@ class TieringMachine(RuleBasedStateMachine):
         ready = [e for e in self._table() if e.state is State.READY]
         pool = sorted(e.key for e in ready) or MACHINE_KEYS
         on_disk = sorted(e.key for e in ready if not e.in_memory) or pool
-        return data.draw(st.lists(st.one_of(st.sampled_from(pool), st.sampled_from(on_disk)),
-                                  min_size=1, max_size=4))
+        return data.draw(
+            st.lists(
+                st.one_of(st.sampled_from(pool), st.sampled_from(on_disk)), min_size=1, max_size=4
+            )
+        )
 
     def _lookup(self, keys: list[str], take: bool) -> tuple[list[Entry], str | None]:
         hits, lease = self.md.lookup(keys, take)
-        assert [e.key for e in hits] == keys[:len(hits)]
+        assert [e.key for e in hits] == keys[: len(hits)]
         for e in hits:
             assert e.state is State.READY and not e.dropped and e.node.alive
             if take:  # what a leased reader gets is in memory, or being reloaded there
@@ -960,8 +1015,10 @@ class TieringMachine(RuleBasedStateMachine):
                 if e.reloading:
                     node = e.node
                     assert node.has_disk and node.reloads.get(e.gen) is e
-                    assert any(o.op == "reload" and o.gen == e.gen
-                               for o in node.orders + self.in_flight[node.node_id])
+                    assert any(
+                        o.op == "reload" and o.gen == e.gen
+                        for o in node.orders + self.in_flight[node.node_id]
+                    )
         if lease is not None:
             self.read_lease_ids.append(lease)
         return hits, lease
@@ -979,7 +1036,7 @@ class TieringMachine(RuleBasedStateMachine):
                 ok = data.draw(st.sampled_from([True] * 4 + [False]))
                 self._answer(node_id, o, ok, data.draw(st.sampled_from(RELOAD_FAILURES)))
         served = self.md.settle_lookup(lease, hits)
-        assert served == hits[:len(served)] and all(e.in_memory for e in served)
+        assert served == hits[: len(served)] and all(e.in_memory for e in served)
         if release and lease is not None:
             self.md.release([lease])
 
@@ -992,25 +1049,35 @@ class TieringMachine(RuleBasedStateMachine):
         live = self.md.read_leases.get(lease_id or "")
         held = list(live.entries) if live is not None else None
         served = self.md.settle_lookup(lease_id, hits)
-        assert served == hits[:len(served)]
+        assert served == hits[: len(served)]
         assert all(e.in_memory and not e.dropped for e in served)
         if len(served) < len(hits):
             gone = hits[len(served)]
             assert not gone.in_memory or gone.dropped
         if held is not None:
             now = self.md.read_leases.get(lease_id or "")
-            assert (now.entries if now else []) == held[:len(held) - len(hits) + len(served)]
+            assert (now.entries if now else []) == held[: len(held) - len(hits) + len(served)]
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         pool = [lid for lid in self.read_lease_ids if lid in self.md.read_leases] or ["0" * 16]
         leases = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=2))
-        held = sorted({e.key for lid in leases if lid in self.md.read_leases
-                       for e in self.md.read_leases[lid].entries})
-        corrupt = data.draw(st.lists(st.sampled_from(held or MACHINE_KEYS[:1]), unique=True, max_size=1))
+        held = sorted(
+            {
+                e.key
+                for lid in leases
+                if lid in self.md.read_leases
+                for e in self.md.read_leases[lid].entries
+            }
+        )
+        corrupt = data.draw(
+            st.lists(st.sampled_from(held or MACHINE_KEYS[:1]), unique=True, max_size=1)
+        )
         out = self.md.release(leases, corrupt)
         for entry in out.suspects:  # the slab's bytes bear every report out here
-            self.md.corrupt_verified(entry, entry.gen, data.draw(st.sampled_from([True, False, None])))
+            self.md.corrupt_verified(
+                entry, entry.gen, data.draw(st.sampled_from([True, False, None]))
+            )
 
     # -- tiering --------------------------------------------------------------------------
 
@@ -1069,8 +1136,9 @@ class TieringMachine(RuleBasedStateMachine):
         if o.op == "offload":
             if ok:
                 disk[o.key] = (o.size, o.checksum, o.size + HEADER)
-            self.md.offload_done(node_id, o.key, o.gen, ok, "" if ok else reason,
-                                 o.size + HEADER if ok else 0)
+            self.md.offload_done(
+                node_id, o.key, o.gen, ok, "" if ok else reason, o.size + HEADER if ok else 0
+            )
             return
         if o.key not in disk:  # a delete or a stale answer took the file
             ok, reason = False, "missing"
@@ -1084,13 +1152,17 @@ class TieringMachine(RuleBasedStateMachine):
 
     # -- time and nodes -------------------------------------------------------------------
 
-    @rule(seconds=st.sampled_from([0.5, 2.0, 6.0, 31.0, ORDER_TIMEOUT + 1]),
-          event=st.sampled_from(["beat"] * 4 + ["stall", "silent", "restart"]),
-          node_id=st.sampled_from(sorted(MACHINE_NODES)))
+    @rule(
+        seconds=st.sampled_from([0.5, 2.0, 6.0, 31.0, ORDER_TIMEOUT + 1]),
+        event=st.sampled_from(["beat"] * 4 + ["stall", "silent", "restart"]),
+        node_id=st.sampled_from(sorted(MACHINE_NODES)),
+    )
     def time_passes(self, seconds: float, event: str, node_id: str) -> None:
         if event == "restart":
             old = self.md.nodes[node_id]
-            old.last_heartbeat = min(old.last_heartbeat, self.clock.now - HB_TTL / 2)  # it was down a while
+            old.last_heartbeat = min(
+                old.last_heartbeat, self.clock.now - HB_TTL / 2
+            )  # it was down a while
             self._register(node_id)
             assert not old.alive and old.orders == []
             return
@@ -1110,7 +1182,9 @@ class TieringMachine(RuleBasedStateMachine):
                 self.in_flight[nid] = []
             for e in node.reloads.values():
                 assert e.order_deadline > self.clock.now  # overdue reloads were given up
-            assert all(not e.offloading or e.order_deadline > self.clock.now for e in node.lru.values())
+            assert all(
+                not e.offloading or e.order_deadline > self.clock.now for e in node.lru.values()
+            )
 
     @rule(node_id=st.sampled_from(sorted(MACHINE_NODES)))
     def revive(self, node_id: str) -> None:
@@ -1131,10 +1205,13 @@ class TieringMachine(RuleBasedStateMachine):
             if not node.alive:
                 continue
             mine = [e for e in self.seen.values() if e.node is node and e.alloc_size]
-            assert node.allocator.used == (sum(e.alloc_size for e in mine)
-                                           + sum(q[2] for q in node.quarantine))
-            spans = sorted([(e.offset, e.offset + e.alloc_size) for e in mine]
-                           + [(q[1], q[1] + q[2]) for q in node.quarantine])
+            assert node.allocator.used == (
+                sum(e.alloc_size for e in mine) + sum(q[2] for q in node.quarantine)
+            )
+            spans = sorted(
+                [(e.offset, e.offset + e.alloc_size) for e in mine]
+                + [(q[1], q[1] + q[2]) for q in node.quarantine]
+            )
             for (_, end), (start, _) in itertools.pairwise(spans):
                 assert end <= start, "extents overlap"
             assert all(s >= 0 and e <= node.allocator.capacity for s, e in spans)
@@ -1176,8 +1253,12 @@ class TieringMachine(RuleBasedStateMachine):
                 assert id(e) in table or (e.dropped and e.reloading)
             assert node.ready_bytes == sum(e.size for e in node.lru.values())
             assert node.disk_used == sum(e.file_bytes for e in node.disk_lru.values())
-            assert node.disk_used == sum(e.file_bytes for e in self._table() if e.node is node and e.on_disk)
-            assert node.offloading_bytes == sum(e.alloc_size for e in node.lru.values() if e.offloading)
+            assert node.disk_used == sum(
+                e.file_bytes for e in self._table() if e.node is node and e.on_disk
+            )
+            assert node.offloading_bytes == sum(
+                e.alloc_size for e in node.lru.values() if e.offloading
+            )
             assert node.has_disk or (not node.disk_lru and not node.reloads and not node.orders)
 
     @invariant()

@@ -19,9 +19,12 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_load_trace_reads_mooncake_lines(tmp_path: Path) -> None:
-    path = write(tmp_path, '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}\n'
-                           '\n'
-                           '{"timestamp": 27.5, "input_length": 600, "output_length": 1, "hash_ids": [0, 2]}\n')
+    path = write(
+        tmp_path,
+        '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}\n'
+        "\n"
+        '{"timestamp": 27.5, "input_length": 600, "output_length": 1, "hash_ids": [0, 2]}\n',
+    )
     reqs = load_trace(path)
     assert [r.hash_ids for r in reqs] == [(0, 1), (0, 2)]
     assert reqs[1].timestamp_ms == 27.5 and reqs[1].input_length == 600
@@ -29,14 +32,23 @@ def test_load_trace_reads_mooncake_lines(tmp_path: Path) -> None:
     assert len(load_trace(path, limit=1)) == 1
 
 
-@pytest.mark.parametrize("line, message", [
-    ("not json", "not JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"timestamp": -1, "input_length": 1, "output_length": 1, "hash_ids": []}', "timestamp"),
-    ('{"timestamp": 0, "input_length": "9", "output_length": 1, "hash_ids": []}', "input_length"),
-    ('{"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, -2]}', "hash_ids"),
-    ('{"timestamp": 0, "input_length": 9, "output_length": 1}', "hash_ids"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"timestamp": -1, "input_length": 1, "output_length": 1, "hash_ids": []}', "timestamp"),
+        (
+            '{"timestamp": 0, "input_length": "9", "output_length": 1, "hash_ids": []}',
+            "input_length",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": [1, -2]}',
+            "hash_ids",
+        ),
+        ('{"timestamp": 0, "input_length": 9, "output_length": 1}', "hash_ids"),
+    ],
+)
 def test_bad_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     ok = '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [0]}'
     path = write(tmp_path, ok + "\n" + line + "\n")
@@ -79,11 +91,13 @@ def test_percentiles() -> None:
 
 def test_summary_rates_and_modelled_ttft() -> None:
     settings = ReplaySettings(kv_bytes_per_token=1000, block_tokens=10, scale=4)
-    run = ReplayResult(results=[
-        # 3 blocks, none hit; then 3 blocks, 2 hit (1 from disk), 25 input tokens
-        RequestResult(3, 0, 0, 0, 30, 0, 0.001, 0.002, 3, 0),
-        RequestResult(3, 2, 1, 1, 25, 20, 0.010, 0.001, 1, 0),
-    ])
+    run = ReplayResult(
+        results=[
+            # 3 blocks, none hit; then 3 blocks, 2 hit (1 from disk), 25 input tokens
+            RequestResult(3, 0, 0, 0, 30, 0, 0.001, 0.002, 3, 0),
+            RequestResult(3, 2, 1, 1, 25, 20, 0.010, 0.001, 1, 0),
+        ]
+    )
     model = TtftModel(prefill_s_per_token=0.01, load_bandwidth=10_000.0, disk_bandwidth=5_000.0)
     s = summarize(run, settings, model)
     assert s["blocks"] == 6 and s["hit_blocks"] == 2 and s["hit_rate"] == pytest.approx(2 / 6)

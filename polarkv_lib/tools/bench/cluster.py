@@ -76,17 +76,45 @@ class Result:
 
     @property
     def hit_rate(self) -> float:
-        return self.load["chunks_hit"] / self.load["chunks_wanted"] if self.load.get("chunks_wanted") else 0.0
+        return (
+            self.load["chunks_hit"] / self.load["chunks_wanted"]
+            if self.load.get("chunks_wanted")
+            else 0.0
+        )
 
 
-def parse_plan(layouts: str, shards: int, memory_vms: int, client_vms: int, nic: str, slab_memory: str,
-               working_set: float, chunk_size: str, chunks: int, seconds: float, store_ratio: float,
-               state_dir: str) -> Plan:
-    plan = Plan(core.parse_choices(layouts, "--layouts", LAYOUTS), shards, memory_vms, client_vms, nic,
-                core.parse_bytes(slab_memory, "--slab-memory"), working_set,
-                core.parse_bytes(chunk_size, "--chunk-size"), chunks, seconds, store_ratio, state_dir)
+def parse_plan(
+    layouts: str,
+    shards: int,
+    memory_vms: int,
+    client_vms: int,
+    nic: str,
+    slab_memory: str,
+    working_set: float,
+    chunk_size: str,
+    chunks: int,
+    seconds: float,
+    store_ratio: float,
+    state_dir: str,
+) -> Plan:
+    plan = Plan(
+        core.parse_choices(layouts, "--layouts", LAYOUTS),
+        shards,
+        memory_vms,
+        client_vms,
+        nic,
+        core.parse_bytes(slab_memory, "--slab-memory"),
+        working_set,
+        core.parse_bytes(chunk_size, "--chunk-size"),
+        chunks,
+        seconds,
+        store_ratio,
+        state_dir,
+    )
     if working_set <= 0 or chunks < 1 or seconds <= 0 or not 0 <= store_ratio < 1 or client_vms < 1:
-        raise core.BadArguments("--working-set, --chunks, --seconds, --client-vms > 0; --store-ratio in [0, 1)")
+        raise core.BadArguments(
+            "--working-set, --chunks, --seconds, --client-vms > 0; --store-ratio in [0, 1)"
+        )
     if "global" in plan.layouts and memory_vms < 2:
         raise core.BadArguments("the global layout needs --memory-vms >= 2")
     return plan
@@ -98,11 +126,19 @@ def _spec(plan: Plan, layout: str) -> ClusterSpec:
     if layout == "memory-ws":  # the working set and its stores under the watermark, per VM
         need = plan.prompts * plan.chunks * plan.chunk_size * 1.5 / plan.memory_vms / 0.85
         memory = -(-int(need) // 2**20) * 2**20
-    return ClusterSpec(name="pkvb", subnet="10.77.30", shards=plan.shards, memory_vms=plan.memory_vms,
-                       client_vms=plan.client_vms, nic=plan.nic, slab_memory=str(memory),
-                       disk_capacity=str(int(disk)), global_pools=layout == "global",
-                       disk_tier=layout in ("tiered", "global"),
-                       settings=("log.level=warning", "client.timeout=10s"))
+    return ClusterSpec(
+        name="pkvb",
+        subnet="10.77.30",
+        shards=plan.shards,
+        memory_vms=plan.memory_vms,
+        client_vms=plan.client_vms,
+        nic=plan.nic,
+        slab_memory=str(memory),
+        disk_capacity=str(int(disk)),
+        global_pools=layout == "global",
+        disk_tier=layout in ("tiered", "global"),
+        settings=("log.level=warning", "client.timeout=10s"),
+    )
 
 
 def _clients(cluster: Cluster, plan: Plan, phase: str) -> list[dict[str, Any]]:
@@ -110,13 +146,31 @@ def _clients(cluster: Cluster, plan: Plan, phase: str) -> list[dict[str, Any]]:
     per = -(-plan.prompts // plan.client_vms)
     argvs = []
     for i in range(plan.client_vms):
-        argv = [sys.executable, "-m", "polarkv_lib.cluster.workload", phase, "--chunks", str(plan.chunks),
-                "--size", str(plan.chunk_size), "--seed", str(i), "--timeout", "10"]
+        argv = [
+            sys.executable,
+            "-m",
+            "polarkv_lib.cluster.workload",
+            phase,
+            "--chunks",
+            str(plan.chunks),
+            "--size",
+            str(plan.chunk_size),
+            "--seed",
+            str(i),
+            "--timeout",
+            "10",
+        ]
         if phase == "fill":
             argv += ["--prompts", str(min(per, plan.prompts - i * per)), "--first", str(i * per)]
         else:
-            argv += ["--prompts", str(plan.prompts), "--seconds", str(plan.seconds),
-                     "--store-ratio", str(plan.store_ratio)]
+            argv += [
+                "--prompts",
+                str(plan.prompts),
+                "--seconds",
+                str(plan.seconds),
+                "--store-ratio",
+                str(plan.store_ratio),
+            ]
         argvs.append((f"cli{i}", argv))
     limit = 600.0 if phase == "fill" else plan.seconds + 120
     with concurrent.futures.ThreadPoolExecutor(len(argvs)) as pool:
@@ -149,11 +203,16 @@ def measure(plan: Plan, layout: str) -> Result:
         for vm in vms:
             delta = cluster.counters(vm) - before[vm]
             result.nic[vm] = {"sent": delta.sent, "received": delta.received}
-        result.between_memory_vms = sum(cluster.peer_bytes(f"mem{i}")
-                                        for i in range(plan.memory_vms)) - peers_before
+        result.between_memory_vms = (
+            sum(cluster.peer_bytes(f"mem{i}") for i in range(plan.memory_vms)) - peers_before
+        )
         after = _manager_totals(cluster)
-        result.manager = {k: after[k] - managers_before.get(k, 0) if k in ("offloads", "reloads", "evictions")
-                          else after[k] for k in after}
+        result.manager = {
+            k: after[k] - managers_before.get(k, 0)
+            if k in ("offloads", "reloads", "evictions")
+            else after[k]
+            for k in after
+        }
     return result
 
 
@@ -164,15 +223,37 @@ def render(plan: Plan, results: list[Result]) -> str:
     def ratio(layout: str, value: float) -> str:
         return f"{value / base[layout]:.2f}" if base.get(layout) else "-"
 
-    lines = [["layout", "load MB/s", "vs memory", "vs memory-ws", "hit rate", "offloads", "reloads",
-              "memory VM <-> memory VM MB", "client VMs received MB", "memory VMs sent MB"]]
+    lines = [
+        [
+            "layout",
+            "load MB/s",
+            "vs memory",
+            "vs memory-ws",
+            "hit rate",
+            "offloads",
+            "reloads",
+            "memory VM <-> memory VM MB",
+            "client VMs received MB",
+            "memory VMs sent MB",
+        ]
+    ]
     for r in results:
         clients = sum(n["received"] for vm, n in r.nic.items() if vm.startswith("cli"))
         memory = sum(n["sent"] for vm, n in r.nic.items() if vm.startswith("mem"))
-        lines.append([r.layout, f"{r.throughput / MB:.1f}", ratio("memory", r.throughput),
-                      ratio("memory-ws", r.throughput), f"{r.hit_rate:.3f}", str(r.manager.get("offloads", 0)),
-                      str(r.manager.get("reloads", 0)), f"{r.between_memory_vms / MB:.1f}",
-                      f"{clients / MB:.1f}", f"{memory / MB:.1f}"])
+        lines.append(
+            [
+                r.layout,
+                f"{r.throughput / MB:.1f}",
+                ratio("memory", r.throughput),
+                ratio("memory-ws", r.throughput),
+                f"{r.hit_rate:.3f}",
+                str(r.manager.get("offloads", 0)),
+                str(r.manager.get("reloads", 0)),
+                f"{r.between_memory_vms / MB:.1f}",
+                f"{clients / MB:.1f}",
+                f"{memory / MB:.1f}",
+            ]
+        )
     return core.markdown_table(lines)
 
 
@@ -191,15 +272,23 @@ def run(plan: Plan, json_path: str) -> bool:
             except ClusterError as exc:
                 raise core.BenchError(f"{layout}: {exc}") from None
             bar.update(1)
-    print(f"{core.machine_text()}; {plan.shards} shard(s), {plan.memory_vms} memory VMs x "
-          f"{core.size_text(plan.slab_memory)}, {plan.client_vms} client VMs, NIC {plan.nic}; working set "
-          f"{plan.prompts} prompts x {plan.chunks} x {core.size_text(plan.chunk_size)}; {plan.seconds:g} s mixed, "
-          f"store ratio {plan.store_ratio}")
+    print(
+        f"{core.machine_text()}; {plan.shards} shard(s), {plan.memory_vms} memory VMs x "
+        f"{core.size_text(plan.slab_memory)}, {plan.client_vms} client VMs, NIC {plan.nic}; working set "
+        f"{plan.prompts} prompts x {plan.chunks} x {core.size_text(plan.chunk_size)}; {plan.seconds:g} s mixed, "
+        f"store ratio {plan.store_ratio}"
+    )
     print(render(plan, results))
     if json_path:
-        doc = {"bench": "cluster", "params": {**plan.__dict__, "prompts": plan.prompts}, "machine": core.machine(),
-               "results": [{**r.__dict__, "throughput_bytes_per_s": r.throughput, "hit_rate": r.hit_rate}
-                           for r in results]}
+        doc = {
+            "bench": "cluster",
+            "params": {**plan.__dict__, "prompts": plan.prompts},
+            "machine": core.machine(),
+            "results": [
+                {**r.__dict__, "throughput_bytes_per_s": r.throughput, "hit_rate": r.hit_rate}
+                for r in results
+            ],
+        }
         with open(json_path, "wb") as fh:
             fh.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     return all(r.load.get("wrong_bytes", 0) == 0 for r in results)
@@ -216,13 +305,44 @@ def run(plan: Plan, json_path: str) -> bool:
 @click.option("--chunk-size", default="1MiB", show_default=True, help="Bytes per chunk.")
 @click.option("--chunks", default=8, show_default=True, help="Chunks per prompt.")
 @click.option("--seconds", default=20.0, show_default=True, help="Mixed-load phase per layout.")
-@click.option("--store-ratio", default=0.2, show_default=True, help="Share of operations that store.")
+@click.option(
+    "--store-ratio", default=0.2, show_default=True, help="Share of operations that store."
+)
 @click.option("--state-dir", default="", help="Cluster state directory (default: a temporary one).")
 @click.option("--json", "json_path", default="", help="Also write the results to this file.")
-def command(layouts: str, shards: int, memory_vms: int, client_vms: int, nic: str, slab_memory: str,
-            working_set: float, chunk_size: str, chunks: int, seconds: float, store_ratio: float,
-            state_dir: str, json_path: str) -> None:
+def command(
+    layouts: str,
+    shards: int,
+    memory_vms: int,
+    client_vms: int,
+    nic: str,
+    slab_memory: str,
+    working_set: float,
+    chunk_size: str,
+    chunks: int,
+    seconds: float,
+    store_ratio: float,
+    state_dir: str,
+    json_path: str,
+) -> None:
     """Tiered-locally vs global pools vs memory-only on capped links (root needed)."""
-    core.guarded("cluster", lambda: run(parse_plan(layouts, shards, memory_vms, client_vms, nic, slab_memory,
-                                                   working_set, chunk_size, chunks, seconds, store_ratio,
-                                                   state_dir), json_path))
+    core.guarded(
+        "cluster",
+        lambda: run(
+            parse_plan(
+                layouts,
+                shards,
+                memory_vms,
+                client_vms,
+                nic,
+                slab_memory,
+                working_set,
+                chunk_size,
+                chunks,
+                seconds,
+                store_ratio,
+                state_dir,
+            ),
+            json_path,
+        ),
+    )

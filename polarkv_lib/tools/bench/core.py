@@ -133,7 +133,9 @@ def markdown_table(lines: Sequence[Sequence[str]]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = []
     for k, line in enumerate(lines):
-        out.append("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |")
+        out.append(
+            "| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |"
+        )
         if k == 0:
             out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(out)
@@ -141,8 +143,12 @@ def markdown_table(lines: Sequence[Sequence[str]]) -> str:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on, for the JSON and the header line."""
-    return {"cpus": os.cpu_count(), "linux": platform.release(), "python": platform.python_version(),
-            "loadavg": loadavg()}
+    return {
+        "cpus": os.cpu_count(),
+        "linux": platform.release(),
+        "python": platform.python_version(),
+        "loadavg": loadavg(),
+    }
 
 
 def loadavg() -> str:
@@ -153,12 +159,22 @@ def loadavg() -> str:
         return "?"
 
 
-def write_json(path: str, bench: str, params: dict[str, Any], rows: Sequence[Pairs],
-               extra: dict[str, Any] | None = None) -> None:
+def write_json(
+    path: str,
+    bench: str,
+    params: dict[str, Any],
+    rows: Sequence[Pairs],
+    extra: dict[str, Any] | None = None,
+) -> None:
     """One JSON document per run: what was asked, where, and every row with its rounds."""
-    doc = {"bench": bench, "params": params, "machine": machine(),
-           "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "rows": [r.to_json() for r in rows], **(extra or {})}
+    doc = {
+        "bench": bench,
+        "params": params,
+        "machine": machine(),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": [r.to_json() for r in rows],
+        **(extra or {}),
+    }
     with open(path, "wb") as fh:
         fh.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
 
@@ -191,4 +207,6 @@ def guarded(name: str, work: Callable[[], bool]) -> None:
 
 def machine_text() -> str:
     m = machine()
-    return f"{m['cpus']} CPUs, Linux {m['linux']}, Python {m['python']}, load average {m['loadavg']}"
+    return (
+        f"{m['cpus']} CPUs, Linux {m['linux']}, Python {m['python']}, load average {m['loadavg']}"
+    )

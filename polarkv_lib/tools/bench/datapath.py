@@ -85,7 +85,10 @@ class Row(Pairs):
 
 def parse_plan(sizes: str, concurrency: str, transports: str, total: str, memory: str) -> Plan:
     size_list = core.parse_sizes(sizes, "--sizes")
-    total_bytes, memory_bytes = core.parse_bytes(total, "--total"), core.parse_bytes(memory, "--memory")
+    total_bytes, memory_bytes = (
+        core.parse_bytes(total, "--total"),
+        core.parse_bytes(memory, "--memory"),
+    )
     conc = core.parse_ints(concurrency, "--concurrency", 1, 64)
     names = core.parse_choices(transports, "--transports", TRANSPORTS)
     if "rdma" in names and (reason := rdma_unavailable()):
@@ -110,9 +113,15 @@ class Ours:
     def __init__(self, manager_url: str, transport: str, conc: int) -> None:
         # chunk_tokens=1: a call's token list is its list of chunks, so keys are cheap
         # and any fresh first token makes a fresh chain of keys.
-        self.client = AsyncPolarKVClient(manager_url, namespace=f"bench-datapath-{transport}",
-                                         chunk_tokens=1, transport=transport,
-                                         timeout=CLIENT_TIMEOUT, connections=conc, window=WINDOW)
+        self.client = AsyncPolarKVClient(
+            manager_url,
+            namespace=f"bench-datapath-{transport}",
+            chunk_tokens=1,
+            transport=transport,
+            timeout=CLIENT_TIMEOUT,
+            connections=conc,
+            window=WINDOW,
+        )
         self.conc = conc
 
     @staticmethod
@@ -123,11 +132,13 @@ class Ours:
 
     async def store(self, bufs: Buffers, n: int, tag: int) -> tuple[float, int]:
         """Seconds taken and objects stored."""
+
         async def caller(calls: list[tuple[int, int]]) -> int:
             stored = 0
             for start, count in calls:
-                stored += await self.client.store_kv(self._tokens(tag, start, count),
-                                                     bufs.objects(bufs.src_view, start, count))
+                stored += await self.client.store_kv(
+                    self._tokens(tag, start, count), bufs.objects(bufs.src_view, start, count)
+                )
             return stored
 
         calls = batches(bufs.size, n, self.conc)
@@ -137,11 +148,13 @@ class Ours:
 
     async def load(self, bufs: Buffers, n: int, tag: int) -> tuple[float, int, bool]:
         """Seconds taken, objects that hit, and whether every hit is byte-exact."""
+
         async def caller(calls: list[tuple[int, int]]) -> list[tuple[int, int]]:
             hits = []
             for start, count in calls:
-                n_tokens, _ = await self.client.load_kv(self._tokens(tag, start, count),
-                                                        bufs.objects(bufs.dst_view, start, count))
+                n_tokens, _ = await self.client.load_kv(
+                    self._tokens(tag, start, count), bufs.objects(bufs.dst_view, start, count)
+                )
                 hits.append((start, n_tokens))  # chunk_tokens=1: tokens == chunks
             return hits
 
@@ -160,16 +173,24 @@ class Ours:
 # -- the run ----------------------------------------------------------------------------
 
 
-def _limit(server: RawServer | None, transport: str, bufs: Buffers, n: int, conc: int,
-           store: bool) -> float:
+def _limit(
+    server: RawServer | None, transport: str, bufs: Buffers, n: int, conc: int, store: bool
+) -> float:
     if transport == "tcp":
         assert server is not None
         return socket_limit(server, bufs, n, conc, store)
     return memcpy_limit(bufs, n, conc, store)
 
 
-async def _measure_row(ours: Ours, server: RawServer | None, bufs: Buffers, store: Row, load: Row,
-                       budget: float, tags: Iterator[int]) -> None:
+async def _measure_row(
+    ours: Ours,
+    server: RawServer | None,
+    bufs: Buffers,
+    store: Row,
+    load: Row,
+    budget: float,
+    tags: Iterator[int],
+) -> None:
     """Up to ROUNDS rounds of: limit (write direction), store, limit (read), load."""
     loop = asyncio.get_running_loop()
     n, size = bufs.n // store.concurrency * store.concurrency, bufs.size
@@ -179,14 +200,20 @@ async def _measure_row(ours: Ours, server: RawServer | None, bufs: Buffers, stor
             store.notes.append(f"{done} rounds (time budget)")
             break
         tag = next(tags)
-        store.base.append(await loop.run_in_executor(
-            None, _limit, server, store.transport, bufs, n, store.concurrency, True))
+        store.base.append(
+            await loop.run_in_executor(
+                None, _limit, server, store.transport, bufs, n, store.concurrency, True
+            )
+        )
         seconds, stored = await ours.store(bufs, n, tag)
         store.ours.append(stored * size / seconds / 1e9)
         if stored < n:
             store.notes.append(f"stored {stored}/{n}")
-        load.base.append(await loop.run_in_executor(
-            None, _limit, server, load.transport, bufs, n, load.concurrency, False))
+        load.base.append(
+            await loop.run_in_executor(
+                None, _limit, server, load.transport, bufs, n, load.concurrency, False
+            )
+        )
         seconds, hits, exact = await ours.load(bufs, n, tag)
         load.ours.append(hits * size / seconds / 1e9)
         if hits < n:
@@ -195,8 +222,15 @@ async def _measure_row(ours: Ours, server: RawServer | None, bufs: Buffers, stor
             load.notes.append("BYTES DIFFER")
 
 
-async def warm_up(client: Ours, bufs: Buffers, transport: str, conc: int, memory: int,
-                  tags: Iterator[int], notes: list[str]) -> None:
+async def warm_up(
+    client: Ours,
+    bufs: Buffers,
+    transport: str,
+    conc: int,
+    memory: int,
+    tags: Iterator[int],
+    notes: list[str],
+) -> None:
     """Untimed: connect, and for shm touch the whole slab once through this client.
 
     A long-lived engine maps a slab once; the page-table entries of its mapping then stay.
@@ -208,13 +242,17 @@ async def warm_up(client: Ours, bufs: Buffers, transport: str, conc: int, memory
     deadline = time.monotonic() + WARM_UP_S
     for r in range(rounds):
         if time.monotonic() > deadline:
-            notes.append(f"shm warm-up (conc {conc}) cut short after {WARM_UP_S:.0f}s: "
-                         f"rows may include first-touch cost")
+            notes.append(
+                f"shm warm-up (conc {conc}) cut short after {WARM_UP_S:.0f}s: "
+                f"rows may include first-touch cost"
+            )
             break
         seconds, stored = await client.store(bufs, n, next(tags))
         if r == 0 and transport == "shm":
-            notes.append(f"shm first touch (conc {conc}, {size_text(bufs.size)}): store "
-                         f"{stored * bufs.size / seconds / 1e9:.2f} GB/s into never-mapped pages")
+            notes.append(
+                f"shm first touch (conc {conc}, {size_text(bufs.size)}): store "
+                f"{stored * bufs.size / seconds / 1e9:.2f} GB/s into never-mapped pages"
+            )
 
 
 async def _measure(plan: Plan, manager_url: str, notes: list[str]) -> list[Row]:
@@ -237,7 +275,9 @@ async def _measure(plan: Plan, manager_url: str, notes: list[str]) -> list[Row]:
                         store = Row(transport, size, conc, "store")
                         load = Row(transport, size, conc, "load")
                         rows += (store, load)
-                        await _measure_row(ours[transport, conc], server, bufs, store, load, budget, tags)
+                        await _measure_row(
+                            ours[transport, conc], server, bufs, store, load, budget, tags
+                        )
                         bar.update(1)
     finally:
         if server is not None:
@@ -248,53 +288,110 @@ async def _measure(plan: Plan, manager_url: str, notes: list[str]) -> list[Row]:
 
 
 def render(rows: list[Row]) -> str:
-    header = ("transport", "size", "conc", "op", "ours GB/s", "limit GB/s", "ratio", "goal", "notes")
+    header = (
+        "transport",
+        "size",
+        "conc",
+        "op",
+        "ours GB/s",
+        "limit GB/s",
+        "ratio",
+        "goal",
+        "notes",
+    )
     lines = [header]
     for r in rows:
         ours, limit = r.best()
-        lines.append((r.transport, size_text(r.size), str(r.concurrency), r.op, f"{ours:.2f}",
-                      f"{limit:.2f}", f"{r.ratio():.2f}", core.goal_text(r.ratio(), r.goal()),
-                      r.note_text()))
+        lines.append(
+            (
+                r.transport,
+                size_text(r.size),
+                str(r.concurrency),
+                r.op,
+                f"{ours:.2f}",
+                f"{limit:.2f}",
+                f"{r.ratio():.2f}",
+                core.goal_text(r.ratio(), r.goal()),
+                r.note_text(),
+            )
+        )
     return core.markdown_table(lines)
 
 
 def run(plan: Plan, json_path: str = "") -> bool:
     """Run the bench and print its table; False if a loaded byte differed."""
-    print(f"polarkv bench datapath: {core.machine_text()}; {plan.total // MiB}MiB per measurement, "
-          f"up to {ROUNDS} rounds of limit and ours back to back; GB/s columns: best round; "
-          f"GB/s = 1e9 bytes/s", flush=True)
+    print(
+        f"polarkv bench datapath: {core.machine_text()}; {plan.total // MiB}MiB per measurement, "
+        f"up to {ROUNDS} rounds of limit and ours back to back; GB/s columns: best round; "
+        f"GB/s = 1e9 bytes/s",
+        flush=True,
+    )
     started = time.monotonic()
     notes: list[str] = []
     # Manager and slab only: with the disk role, rounds past the memory watermark would be
     # offloaded to disk during the measurements (disk writes in the slab process, and
     # stores waiting for room). Without it the slab evicts its least recently used entries.
-    with tempfile.TemporaryDirectory(prefix="polarkv-bench-") as workdir, \
-            service.running_service(workdir, ("manager", "slab"), {
+    with (
+        tempfile.TemporaryDirectory(prefix="polarkv-bench-") as workdir,
+        service.running_service(
+            workdir,
+            ("manager", "slab"),
+            {
                 "slab.memory": str(plan.memory),
-                **({"slab.transports": "tcp,shm,rdma"} if "rdma" in plan.transports else {})}) as info:
+                **({"slab.transports": "tcp,shm,rdma"} if "rdma" in plan.transports else {}),
+            },
+        ) as info,
+    ):
         rows = asyncio.run(_measure(plan, str(info["manager_url"]), notes))
     order = {t: i for i, t in enumerate(plan.transports)}
     rows.sort(key=lambda r: (order[r.transport], r.size, r.concurrency, r.op != "store"))
     print(render(rows))
     for note in notes:
         print(note)
-    print(f"({time.monotonic() - started:.0f}s; ratio: median over rounds of ours / limit, "
-          f"each pair measured side by side in this run)")
+    print(
+        f"({time.monotonic() - started:.0f}s; ratio: median over rounds of ours / limit, "
+        f"each pair measured side by side in this run)"
+    )
     if json_path:
-        core.write_json(json_path, "datapath", {"sizes": plan.sizes, "concurrency": plan.concurrency,
-                        "transports": plan.transports, "total": plan.total, "memory": plan.memory},
-                        rows, {"notes": notes})
+        core.write_json(
+            json_path,
+            "datapath",
+            {
+                "sizes": plan.sizes,
+                "concurrency": plan.concurrency,
+                "transports": plan.transports,
+                "total": plan.total,
+                "memory": plan.memory,
+            },
+            rows,
+            {"notes": notes},
+        )
     return not any("BYTES DIFFER" in r.notes for r in rows)
 
 
 @click.command("datapath")
-@click.option("--sizes", default="1MiB,4MiB,16MiB", show_default=True, help="Object sizes, comma separated.")
-@click.option("--concurrency", default="1,4", show_default=True, help="Concurrent transfers, comma separated.")
+@click.option(
+    "--sizes", default="1MiB,4MiB,16MiB", show_default=True, help="Object sizes, comma separated."
+)
+@click.option(
+    "--concurrency", default="1,4", show_default=True, help="Concurrent transfers, comma separated."
+)
 @click.option("--transports", default="tcp,shm", show_default=True, help="Transports to measure.")
 @click.option("--total", default="256MiB", show_default=True, help="Bytes moved per measurement.")
-@click.option("--memory", default="1GiB", show_default=True, help="Slab memory of the service the bench starts.")
-@click.option("--json", "json_path", default="", help="Also write the results as JSON to this file.")
-def command(sizes: str, concurrency: str, transports: str, total: str, memory: str, json_path: str) -> None:
+@click.option(
+    "--memory",
+    default="1GiB",
+    show_default=True,
+    help="Slab memory of the service the bench starts.",
+)
+@click.option(
+    "--json", "json_path", default="", help="Also write the results as JSON to this file."
+)
+def command(
+    sizes: str, concurrency: str, transports: str, total: str, memory: str, json_path: str
+) -> None:
     """Store/load throughput over tcp and shm beside raw socket and memcpy limits."""
-    core.guarded("datapath", lambda: run(parse_plan(sizes, concurrency, transports, total, memory),
-                                         json_path))
+    core.guarded(
+        "datapath",
+        lambda: run(parse_plan(sizes, concurrency, transports, total, memory), json_path),
+    )

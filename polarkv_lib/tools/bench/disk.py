@@ -3,43 +3,16 @@
 Every row is a ratio of two measurements taken side by side in the same run, on the same
 filesystem, with the same object size and the same thread count: the machine this runs
 on is usually shared and noisy, and absolute GB/s move between runs far more than ratios.
+The three parts (store: DiskStore against raw pwrite/preadv; service: a real node that
+offloads and reloads a working set four times its memory; fit: a node with and without
+the disk role when nothing needs tiering), their defaults and the latest results are in
+docs/BENCHMARKS.md ("Disk tier"). The DiskStore's key directories (two levels of 256)
+are made before timing, as on a node that has run a while.
 
-  store    DiskStore.offload / DiskStore.reload, the calls the disk role makes, from
-           `threads` threads (the role's io_threads pool), between slab-like buffers (an
-           mmap of a /dev/shm file, as the slab's) and a directory under --path;
-           against raw os.pwrite / os.preadv of the same objects from and into the same
-           buffers, one file per object in a sibling directory, same threads. Up to 5
-           rounds; which side goes first alternates.
-  service  a real node (`polarkv`, all roles, slab.memory=--memory, disk.io_threads=
-           --threads, disk.o_direct as chosen) is given a working set (--working-set) at
-           least four times its memory by CALLERS concurrent store_kv callers: storing it
-           makes the manager offload; loading it back, in the order it was stored, makes
-           it reload. Our throughput is the growth of the manager's offload_bytes /
-           reload_bytes counters over the time they grew (sampled every 20 ms; for
-           reloads, only the part after the last offload, so reads compare with reads);
-           against raw writes / reads of as many bytes, in objects of the same size, on
-           the same path, same threads, measured right before and right after our phase
-           and averaged. A fresh node per round, so every round starts from empty memory.
-  fit      a working set that fits in memory (half of --memory), loaded through a node
-           with the disk role and through one without it (manager + slab), same memory,
-           same client: with nothing to tier, the disk role should cost nothing.
-
-Each GB/s column shows its best round; the ratio is the median over rounds of the
-round's ours / baseline. The DiskStore's key directories (two levels of 256) are made
-before timing, as on a node that has run a while; on a fresh node the first offloads
-also pay for creating them.
-
-Page cache: by default both sides use O_DIRECT, as disk.o_direct=true does, so neither
-side reads or writes memory instead of the disk. With o_direct off, both sides use the
-page cache, the cache is dropped (`echo 1 > /proc/sys/vm/drop_caches`, root only) before
-every read measurement, and write rows time how fast the kernel absorbs the writes (no
-fsync on either side; DiskStore does none). Read rows then depend on readahead: on a
-cold cache, one whole-file pread can be slower than DiskStore's 4 KiB header read
-followed by the payload, so the raw read is no ceiling there; the goals are for O_DIRECT.
-
-Disk use is bounded: the store part holds 2 x total at a time, the service part its
-node's files and the two raw sets of one round (3 x working set, and headers); all of it
-lives in one temporary directory under --path, removed at the end.
+Page cache: by default both sides use O_DIRECT, as disk.o_direct=true does. With it off,
+the cache is dropped (root only) before every read measurement, and read rows depend on
+readahead: on a cold cache one whole-file pread can be slower than DiskStore's 4 KiB
+header read followed by the payload, so the raw read is no ceiling there.
 """
 
 from __future__ import annotations
@@ -105,8 +78,6 @@ def _store_part(plan: Plan, workdir: str, rows: list[Row]) -> None:
                 _store_round(plan, workdir, setup, offload, reload, first_ours=r % 2 == 1)
 
 
-
-
 @dataclass(frozen=True)
 class StoreSetup:
     src: memoryview
@@ -117,14 +88,15 @@ class StoreSetup:
     keys: list[str]
 
     def src_obj(self, i: int) -> memoryview:
-        return self.src[i * self.size: (i + 1) * self.size]
+        return self.src[i * self.size : (i + 1) * self.size]
 
     def dst_obj(self, i: int) -> memoryview:
-        return self.dst[i * self.size: (i + 1) * self.size]
+        return self.dst[i * self.size : (i + 1) * self.size]
 
 
-def _store_round(plan: Plan, workdir: str, setup: StoreSetup, offload: Row, reload: Row,
-                 first_ours: bool) -> None:
+def _store_round(
+    plan: Plan, workdir: str, setup: StoreSetup, offload: Row, reload: Row, first_ours: bool
+) -> None:
     """One round: raw write and offload of the same objects, then raw read and reload,
     each pair in the order `first_ours` says (alternated, so neither side always finds
     the disk just rested or just busy). Files of both sides are removed afterwards."""
@@ -132,7 +104,9 @@ def _store_round(plan: Plan, workdir: str, setup: StoreSetup, offload: Row, relo
     direct = os.O_DIRECT if plan.o_direct else 0
     raw_dir = os.path.join(workdir, "raw")
     os.makedirs(raw_dir, exist_ok=True)
-    sums = [xxhash.xxh3_64_hexdigest(setup.src_obj(i)) for i in range(n)]  # the client's, in service
+    sums = [
+        xxhash.xxh3_64_hexdigest(setup.src_obj(i)) for i in range(n)
+    ]  # the client's, in service
     want = xxhash.xxh3_128_digest(setup.src)
 
     def raw_write(i: int) -> None:
@@ -148,8 +122,10 @@ def _store_round(plan: Plan, workdir: str, setup: StoreSetup, offload: Row, relo
         store.reload(keys[i], setup.dst_obj(i), size, sums[i])
 
     try:
-        for row, ours, raw, reading in ((offload, ours_write, raw_write, False),
-                                        (reload, ours_read, raw_read, True)):
+        for row, ours, raw, reading in (
+            (offload, ours_write, raw_write, False),
+            (reload, ours_read, raw_read, True),
+        ):
             pair: dict[str, float] = {}
             for side in ("ours", "raw") if first_ours else ("raw", "ours"):
                 if reading:
@@ -171,7 +147,6 @@ def _store_round(plan: Plan, workdir: str, setup: StoreSetup, offload: Row, relo
         files.remove_files(raw_dir)
 
 
-
 # -- output -----------------------------------------------------------------------------
 
 
@@ -180,8 +155,18 @@ def render(rows: list[Row]) -> str:
     lines = [header]
     for r in rows:
         ours, base = r.best()
-        lines.append((r.part, size_text(r.size), r.op, f"{ours:.2f}", r.baseline, f"{base:.2f}",
-                      f"{r.ratio():.2f}", core.goal_text(r.ratio(), GOALS[r.part])))
+        lines.append(
+            (
+                r.part,
+                size_text(r.size),
+                r.op,
+                f"{ours:.2f}",
+                r.baseline,
+                f"{base:.2f}",
+                f"{r.ratio():.2f}",
+                core.goal_text(r.ratio(), GOALS[r.part]),
+            )
+        )
     return core.markdown_table(lines)
 
 
@@ -204,7 +189,10 @@ def measure(plan: Plan) -> tuple[list[Row], list[str]]:
         if plan.o_direct:
             files.probe_o_direct(workdir)
         parts: dict[str, Callable[[Plan, str, list[Row]], None]] = {
-            "store": _store_part, "service": service_part, "fit": fit_part}
+            "store": _store_part,
+            "service": service_part,
+            "fit": fit_part,
+        }
         chosen = [name for name in PARTS if name in plan.parts]
         with progress(len(chosen), "bench disk", "part") as bar:
             for name in chosen:
@@ -223,13 +211,15 @@ def measure(plan: Plan) -> tuple[list[Row], list[str]]:
 def run(plan: Plan, json_path: str = "") -> bool:
     """Run the bench and print its table; False if a loaded chunk was not the stored one."""
     fs = files.filesystem(plan.root)
-    print(f"polarkv bench disk: {core.machine_text()}; path {plan.root}: {fs}; "
-          f"{'O_DIRECT on both sides' if plan.o_direct else 'page cache on both sides (dropped before reads)'}; "
-          f"{plan.threads} threads / disk.io_threads; "
-          f"store part {plan.total // MiB} MiB per measurement; service part: "
-          f"{plan.working_set // MiB} MiB through {plan.memory // MiB} MiB of slab memory; "
-          f"GB/s = 1e9 bytes/s, best round; ratio: median over rounds of ours / baseline",
-          flush=True)
+    print(
+        f"polarkv bench disk: {core.machine_text()}; path {plan.root}: {fs}; "
+        f"{'O_DIRECT on both sides' if plan.o_direct else 'page cache on both sides (dropped before reads)'}; "
+        f"{plan.threads} threads / disk.io_threads; "
+        f"store part {plan.total // MiB} MiB per measurement; service part: "
+        f"{plan.working_set // MiB} MiB through {plan.memory // MiB} MiB of slab memory; "
+        f"GB/s = 1e9 bytes/s, best round; ratio: median over rounds of ours / baseline",
+        flush=True,
+    )
     load_before = core.loadavg()
     if fs.startswith(("tmpfs", "ramfs")):
         print(f"bench disk: warning: {plan.root} is in memory ({fs}), not on a disk", flush=True)
@@ -238,29 +228,75 @@ def run(plan: Plan, json_path: str = "") -> bool:
     print(render(rows))
     for note in _notes(rows) + cpu_notes:
         print(note)
-    print(f"({time.monotonic() - started:.0f}s; load average {load_before} before, {core.loadavg()} after)")
+    print(
+        f"({time.monotonic() - started:.0f}s; load average {load_before} before, {core.loadavg()} after)"
+    )
     if json_path:
-        core.write_json(json_path, "disk", {
-            "path": plan.root, "sizes": plan.sizes, "total": plan.total, "memory": plan.memory,
-            "working_set": plan.working_set, "threads": plan.threads, "o_direct": plan.o_direct,
-            "parts": list(plan.parts), "filesystem": fs}, rows, {"cpu": cpu_notes})
+        core.write_json(
+            json_path,
+            "disk",
+            {
+                "path": plan.root,
+                "sizes": plan.sizes,
+                "total": plan.total,
+                "memory": plan.memory,
+                "working_set": plan.working_set,
+                "threads": plan.threads,
+                "o_direct": plan.o_direct,
+                "parts": list(plan.parts),
+                "filesystem": fs,
+            },
+            rows,
+            {"cpu": cpu_notes},
+        )
     return not any("WRONG" in note for r in rows for note in r.notes)
 
 
 @click.command("disk")
-@click.option("--path", default="", help="Directory on the disk to measure (default: the system temp dir).")
-@click.option("--sizes", default="1MiB,4MiB", show_default=True, help="Object sizes, comma separated.")
-@click.option("--total", default="256MiB", show_default=True, help="Bytes per file-store measurement.")
-@click.option("--memory", default="256MiB", show_default=True, help="Slab memory of the nodes it starts.")
-@click.option("--working-set", default="1GiB", show_default=True,
-              help="Bytes stored and loaded back per service round (>= 4x --memory).")
+@click.option(
+    "--path", default="", help="Directory on the disk to measure (default: the system temp dir)."
+)
+@click.option(
+    "--sizes", default="1MiB,4MiB", show_default=True, help="Object sizes, comma separated."
+)
+@click.option(
+    "--total", default="256MiB", show_default=True, help="Bytes per file-store measurement."
+)
+@click.option(
+    "--memory", default="256MiB", show_default=True, help="Slab memory of the nodes it starts."
+)
+@click.option(
+    "--working-set",
+    default="1GiB",
+    show_default=True,
+    help="Bytes stored and loaded back per service round (>= 4x --memory).",
+)
 @click.option("--threads", default="4", show_default=True, help="I/O threads on both sides.")
-@click.option("--o-direct/--no-o-direct", default=True, show_default=True,
-              help="O_DIRECT on both sides, or the page cache (dropped before reads; needs root).")
+@click.option(
+    "--o-direct/--no-o-direct",
+    default=True,
+    show_default=True,
+    help="O_DIRECT on both sides, or the page cache (dropped before reads; needs root).",
+)
 @click.option("--parts", default="store,service,fit", show_default=True, help="Parts to run.")
-@click.option("--json", "json_path", default="", help="Also write the results as JSON to this file.")
-def command(path: str, sizes: str, total: str, memory: str, working_set: str, threads: str,
-            o_direct: bool, parts: str, json_path: str) -> None:
+@click.option(
+    "--json", "json_path", default="", help="Also write the results as JSON to this file."
+)
+def command(
+    path: str,
+    sizes: str,
+    total: str,
+    memory: str,
+    working_set: str,
+    threads: str,
+    o_direct: bool,
+    parts: str,
+    json_path: str,
+) -> None:
     """Offload/reload throughput beside raw sequential file I/O; hybrid vs memory-only."""
-    core.guarded("disk", lambda: run(parse_plan(path, sizes, total, memory, working_set, threads,
-                                                o_direct, parts), json_path))
+    core.guarded(
+        "disk",
+        lambda: run(
+            parse_plan(path, sizes, total, memory, working_set, threads, o_direct, parts), json_path
+        ),
+    )

@@ -26,8 +26,10 @@ def probe_o_direct(directory: str) -> None:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
         os.close(fd)
     except OSError as exc:
-        raise BenchError(f"--path: {directory} does not support O_DIRECT ({exc.strerror}); choose "
-                         f"a path on a disk filesystem or run without O_DIRECT (--no-o-direct)") from None
+        raise BenchError(
+            f"--path: {directory} does not support O_DIRECT ({exc.strerror}); choose "
+            f"a path on a disk filesystem or run without O_DIRECT (--no-o-direct)"
+        ) from None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(probe)
@@ -40,13 +42,11 @@ def filesystem(path: str) -> str:
         for line in fh:
             fields = line.split()
             mount_point = fields[4]
-            fs_type, device = fields[fields.index("-") + 1: fields.index("-") + 3]
+            fs_type, device = fields[fields.index("-") + 1 : fields.index("-") + 3]
             inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
             if inside and len(mount_point) >= len(best[0]):
                 best = (mount_point, fs_type, device)
     return f"{best[1]} on {best[2]} (mounted at {best[0] or '?'})"
-
-
 
 
 def fill(view: memoryview, size: int, n: int) -> None:
@@ -54,7 +54,7 @@ def fill(view: memoryview, size: int, n: int) -> None:
     a misplaced object is caught and no layer can compress or deduplicate its way ahead."""
     block = os.urandom(256 * 1024)
     for off in range(0, n * size, len(block)):
-        view[off: off + len(block)] = block[: n * size - off]
+        view[off : off + len(block)] = block[: n * size - off]
     for i in range(n):
         struct.pack_into("<QQ", view, i * size, i, size)
 
@@ -136,8 +136,6 @@ def drop_caches(o_direct: bool, notes: list[str]) -> None:
         notes.append("page cache NOT dropped (needs root): reads may come from memory")
 
 
-
-
 def make_key_dirs(store: DiskStore, keys: list[str]) -> None:
     """Create the directories the keys' files go to, untimed. A node that has run a while
     has all of them (two levels of 256, never removed), so a steady-state offload finds
@@ -145,4 +143,3 @@ def make_key_dirs(store: DiskStore, keys: list[str]) -> None:
     for key in keys:
         os.makedirs(os.path.dirname(store.path_for(key)), exist_ok=True)
     os.sync()
-

@@ -40,7 +40,6 @@ SETTLE_TIMEOUT = 30.0  # wait for offloads still in flight when the stores retur
 BUDGET_S = {"service": 100.0, "fit": 30.0}  # rounds are cut to stay near these
 
 
-
 def _stats(url: str) -> dict[str, int]:
     return AdminClient(url).stats()
 
@@ -101,7 +100,6 @@ class StatsPoller:
         return last - begin, max(end - start, 0.0)
 
 
-
 # -- the client side of the service and fit parts ---------------------------------------
 
 
@@ -118,7 +116,7 @@ class Pool:
 
     def obj(self, g: int) -> memoryview:
         i = g % self.n
-        return self.view[i * self.size: (i + 1) * self.size]
+        return self.view[i * self.size : (i + 1) * self.size]
 
     def header_ok(self, g: int, data: memoryview) -> bool:
         return bytes(data[:16]) == struct.pack("<QQ", g % self.n, self.size)
@@ -176,7 +174,9 @@ class Workload:
                 n_tokens, views = await client.load_kv(self.tokens(p), outs)
                 hits += n_tokens  # chunk_tokens=1: tokens are chunks
                 first = p * self.chunks
-                wrong += sum(1 for j, v in enumerate(views) if not self.pool.header_ok(first + j, v))
+                wrong += sum(
+                    1 for j, v in enumerate(views) if not self.pool.header_ok(first + j, v)
+                )
             return hits, wrong
 
         done = await asyncio.gather(*(caller() for _ in range(CALLERS)))
@@ -186,8 +186,14 @@ class Workload:
 def _client(url: str) -> AsyncPolarKVClient:
     # transport "auto": shm, since the node is on this host, as a co-located engine's
     # would be; window 64 is the client's default control window.
-    return AsyncPolarKVClient(url, namespace=NAMESPACE, chunk_tokens=1, transport="auto",
-                              timeout=CLIENT_TIMEOUT, connections=CALLERS)
+    return AsyncPolarKVClient(
+        url,
+        namespace=NAMESPACE,
+        chunk_tokens=1,
+        transport="auto",
+        timeout=CLIENT_TIMEOUT,
+        connections=CALLERS,
+    )
 
 
 # -- part 1b: a node that offloads and reloads, against raw files -----------------------
@@ -204,8 +210,12 @@ class ServiceRound:
 
 
 def _disk_settings(path: str, capacity: int, plan: Plan) -> dict[str, str]:
-    return {"disk.paths": path, "disk.capacity": str(capacity),
-            "disk.o_direct": "true" if plan.o_direct else "false", "disk.io_threads": str(plan.threads)}
+    return {
+        "disk.paths": path,
+        "disk.capacity": str(capacity),
+        "disk.o_direct": "true" if plan.o_direct else "false",
+        "disk.io_threads": str(plan.threads),
+    }
 
 
 class RawFiles:
@@ -253,8 +263,9 @@ class RawFiles:
         files.remove_files(self.root)
 
 
-async def _service_round(plan: Plan, url: str, pid: int, work: Workload, raw: RawFiles
-                         ) -> ServiceRound:
+async def _service_round(
+    plan: Plan, url: str, pid: int, work: Workload, raw: RawFiles
+) -> ServiceRound:
     out = ServiceRound()
     loop = asyncio.get_running_loop()
     chunks = work.prompts * work.chunks
@@ -285,7 +296,8 @@ async def _service_round(plan: Plan, url: str, pid: int, work: Workload, raw: Ra
         out.offload_notes.append(
             f"{nbytes // MiB} MiB in {seconds:.2f}s, "
             f"{_in_flight(before, _histogram_sums(url), 'offload', seconds)}; "
-            f"client store {gbps(work.nbytes, client_s):.2f} GB/s over the phase; {cpu.text()}")
+            f"client store {gbps(work.nbytes, client_s):.2f} GB/s over the phase; {cpu.text()}"
+        )
 
     async def ours_load() -> None:
         files.drop_caches(plan.o_direct, out.reload_notes)
@@ -314,7 +326,8 @@ async def _service_round(plan: Plan, url: str, pid: int, work: Workload, raw: Ra
             f"{measured}; whole phase {nbytes // MiB} MiB in {seconds:.2f}s "
             f"({gbps(nbytes, seconds):.2f} GB/s) with {offloaded // MiB} MiB offloaded meanwhile, "
             f"{_in_flight(before, _histogram_sums(url), 'reload', seconds)}; "
-            f"client load {gbps(work.nbytes, client_s):.2f} GB/s over the phase; {cpu.text()}")
+            f"client load {gbps(work.nbytes, client_s):.2f} GB/s over the phase; {cpu.text()}"
+        )
 
     try:
         # Each of our phases lasts seconds, and on a shared machine the disk's speed drifts
@@ -339,7 +352,9 @@ def _in_flight(before: dict[str, float], after: dict[str, float], op: str, secon
     done = after.get(count, 0.0) - before.get(count, 0.0)
     if seconds <= 0 or done <= 0:
         return "no orders"
-    return f"{busy / seconds:.1f} orders in the disk role on average, {busy / done * 1000:.1f} ms each"
+    return (
+        f"{busy / seconds:.1f} orders in the disk role on average, {busy / done * 1000:.1f} ms each"
+    )
 
 
 async def _settle_offloads(url: str) -> None:
@@ -370,8 +385,11 @@ def service_part(plan: Plan, workdir: str, rows: list[Row]) -> None:
                 node_dir = os.path.join(workdir, f"node-{size}-{r}")
                 disk_dir = os.path.join(node_dir, "disk")
                 files.make_key_dirs(DiskStore((disk_dir,), capacity, plan.o_direct), work.keys())
-                node = Service(node_dir, (), {"slab.memory": str(plan.memory),
-                                              **_disk_settings(disk_dir, capacity, plan)})
+                node = Service(
+                    node_dir,
+                    (),
+                    {"slab.memory": str(plan.memory), **_disk_settings(disk_dir, capacity, plan)},
+                )
                 try:
                     with running(node) as (url,):
                         result = asyncio.run(_service_round(plan, url, node.pid, work, raw))
@@ -386,9 +404,11 @@ def service_part(plan: Plan, workdir: str, rows: list[Row]) -> None:
                 offload.notes += [f"round {r}: {note}" for note in result.offload_notes]
                 reload.notes += [f"round {r}: {note}" for note in result.reload_notes]
                 if stats["tier_failures"] or stats["evictions"] or stats["disk_evictions"]:
-                    offload.notes.append(f"round {r}: {stats['tier_failures']} tier failures, "
-                                         f"{stats['evictions']} evictions, "
-                                         f"{stats['disk_evictions']} disk evictions")
+                    offload.notes.append(
+                        f"round {r}: {stats['tier_failures']} tier failures, "
+                        f"{stats['evictions']} evictions, "
+                        f"{stats['disk_evictions']} disk evictions"
+                    )
         finally:
             raw.close()
             pool.close()
@@ -407,34 +427,49 @@ def fit_part(plan: Plan, workdir: str, rows: list[Row]) -> None:
         work = Workload(pool, plan.memory // 2, chunks)  # under the low watermark: nothing to tier
         repeat = max(1, math.ceil(FIT_BYTES / work.nbytes))
         hybrid_dir = os.path.join(workdir, f"fit-hybrid-{size}")
-        hybrid = Service(hybrid_dir, (), {"slab.memory": str(plan.memory),
-                                          **_disk_settings(os.path.join(hybrid_dir, "disk"),
-                                                           4 * plan.memory, plan)})
-        memory_only = Service(os.path.join(workdir, f"fit-memory-{size}"), ("manager", "slab"),
-                              {"slab.memory": str(plan.memory)})
+        hybrid = Service(
+            hybrid_dir,
+            (),
+            {
+                "slab.memory": str(plan.memory),
+                **_disk_settings(os.path.join(hybrid_dir, "disk"), 4 * plan.memory, plan),
+            },
+        )
+        memory_only = Service(
+            os.path.join(workdir, f"fit-memory-{size}"),
+            ("manager", "slab"),
+            {"slab.memory": str(plan.memory)},
+        )
         try:
             with running(hybrid, memory_only) as (hybrid_url, memory_url):
                 asyncio.run(_fit_rounds(work, repeat, hybrid_url, memory_url, row, budget))
                 stats = _stats(hybrid_url)
                 if stats["offloads"] or stats["reloads"] or stats["hits_disk"]:
-                    row.notes.append(f"hybrid tiered: {stats['offloads']} offloads, "
-                                     f"{stats['reloads']} reloads, {stats['hits_disk']} disk hits")
+                    row.notes.append(
+                        f"hybrid tiered: {stats['offloads']} offloads, "
+                        f"{stats['reloads']} reloads, {stats['hits_disk']} disk hits"
+                    )
         finally:
             pool.close()
             files.remove_files(hybrid_dir)
             files.remove_files(os.path.join(workdir, f"fit-memory-{size}"))
-        row.notes.append(f"{work.nbytes // MiB} MiB working set in {plan.memory // MiB} MiB, "
-                         f"loaded {repeat}x per measurement")
+        row.notes.append(
+            f"{work.nbytes // MiB} MiB working set in {plan.memory // MiB} MiB, "
+            f"loaded {repeat}x per measurement"
+        )
 
 
-async def _fit_rounds(work: Workload, repeat: int, hybrid_url: str, memory_url: str, row: Row,
-                      budget: float) -> None:
+async def _fit_rounds(
+    work: Workload, repeat: int, hybrid_url: str, memory_url: str, row: Row, budget: float
+) -> None:
     clients = {"hybrid": _client(hybrid_url), "memory": _client(memory_url)}
     try:
         for name, client in clients.items():
             stored = await work.store(client)
             if stored < work.prompts * work.chunks:
-                raise BenchError(f"fit part: {name} node stored {stored}/{work.prompts * work.chunks}")
+                raise BenchError(
+                    f"fit part: {name} node stored {stored}/{work.prompts * work.chunks}"
+                )
             await work.load(client)  # untimed: maps the slab in this client, warms both paths
         started = time.monotonic()
         for r in range(FIT_ROUNDS):
@@ -442,7 +477,7 @@ async def _fit_rounds(work: Workload, repeat: int, hybrid_url: str, memory_url: 
                 row.notes.append(f"{r} rounds (time budget)")
                 break
             pair: dict[str, float] = {}
-            for name in (("hybrid", "memory") if r % 2 else ("memory", "hybrid")):
+            for name in ("hybrid", "memory") if r % 2 else ("memory", "hybrid"):
                 t0 = time.perf_counter()
                 hits, wrong = await work.load(clients[name], repeat)
                 seconds = time.perf_counter() - t0

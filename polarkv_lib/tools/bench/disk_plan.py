@@ -35,7 +35,6 @@ class Plan:
         return max(1, min(64, self.memory // (4 * CALLERS * size)))
 
 
-
 @dataclass
 class Row(Pairs):
     """`base` is the baseline the row names (raw write, raw read, memory-only load)."""
@@ -46,15 +45,25 @@ class Row(Pairs):
     baseline: str
 
 
-def parse_plan(path: str, sizes: str, total: str, memory: str, working_set: str, threads: str,
-               o_direct: bool, parts: str) -> Plan:
+def parse_plan(
+    path: str,
+    sizes: str,
+    total: str,
+    memory: str,
+    working_set: str,
+    threads: str,
+    o_direct: bool,
+    parts: str,
+) -> Plan:
     size_list = core.parse_sizes(sizes, "--sizes")
     total_b, memory_b = core.parse_bytes(total, "--total"), core.parse_bytes(memory, "--memory")
     ws_b = core.parse_bytes(working_set, "--working-set")
     n_threads = core.parse_ints(threads, "--threads", 1, 64)[0]  # the range of disk.io_threads
     part_list = tuple(core.parse_choices(parts, "--parts", PARTS))
     if any(s < 64 * 1024 or s % 4096 or s > 64 * MiB for s in size_list):
-        raise BadArguments("--sizes: multiples of 4KiB from 64KiB to 64MiB (O_DIRECT needs whole pages)")
+        raise BadArguments(
+            "--sizes: multiples of 4KiB from 64KiB to 64MiB (O_DIRECT needs whole pages)"
+        )
     if total_b < max(size_list) * n_threads:
         raise BadArguments("--total: must hold at least one object per thread")
     if memory_b < 4 * CALLERS * max(size_list):
@@ -78,10 +87,14 @@ def _check_room(plan: Plan) -> None:
         need_disk = max(need_disk, 3 * plan.working_set * 11 // 10)
     free = shutil.disk_usage(plan.root).free
     if free < need_disk + DISK_SLACK:
-        raise BadArguments(f"--path: {plan.root} has {free // MiB} MiB free; the bench needs "
-                         f"{need_disk // MiB} MiB plus {DISK_SLACK // MiB} MiB to spare")
+        raise BadArguments(
+            f"--path: {plan.root} has {free // MiB} MiB free; the bench needs "
+            f"{need_disk // MiB} MiB plus {DISK_SLACK // MiB} MiB to spare"
+        )
     need_shm = max(2 * plan.total if "store" in plan.parts else 0, 2 * plan.memory)
     shm_free = shutil.disk_usage("/dev/shm").free
     if shm_free < need_shm + DISK_SLACK:
-        raise BadArguments(f"/dev/shm has {shm_free // MiB} MiB free; the bench needs "
-                         f"{need_shm // MiB} MiB plus {DISK_SLACK // MiB} MiB to spare")
+        raise BadArguments(
+            f"/dev/shm has {shm_free // MiB} MiB free; the bench needs "
+            f"{need_shm // MiB} MiB plus {DISK_SLACK // MiB} MiB to spare"
+        )

@@ -33,8 +33,10 @@ def batches(size: int, n: int, conc: int) -> list[list[tuple[int, int]]]:
     (first object, count) calls."""
     per = n // conc
     step = max(1, min(WINDOW, CALL_BYTES // size))
-    return [[(i, min(step, (c + 1) * per - i)) for i in range(c * per, (c + 1) * per, step)]
-            for c in range(conc)]
+    return [
+        [(i, min(step, (c + 1) * per - i)) for i in range(c * per, (c + 1) * per, step)]
+        for c in range(conc)
+    ]
 
 
 class Buffers:
@@ -48,7 +50,7 @@ class Buffers:
         block = os.urandom(64 * 1024)
         self.src = bytearray(nbytes)
         for off in range(0, nbytes, len(block)):
-            self.src[off: off + len(block)] = block[: nbytes - off]
+            self.src[off : off + len(block)] = block[: nbytes - off]
         for i in range(n):  # every object distinct, so a misplaced one is caught
             struct.pack_into("<QQ", self.src, i * size, i, size)
         self.dst = bytearray(nbytes)
@@ -59,7 +61,7 @@ class Buffers:
         self.sink_view = memoryview(self.sink)
 
     def objects(self, view: memoryview, start: int, count: int) -> list[memoryview]:
-        return [view[i * self.size: (i + 1) * self.size] for i in range(start, start + count)]
+        return [view[i * self.size : (i + 1) * self.size] for i in range(start, start + count)]
 
     def same(self, start: int, count: int) -> bool:
         """Whether the load buffers hold the source bytes of objects [start, start+count)."""
@@ -103,8 +105,12 @@ class RawServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        threading.Thread(target=accept_loop, args=(self._sock, self._start, lambda: self._closed),
-                         name="raw-accept", daemon=True).start()
+        threading.Thread(
+            target=accept_loop,
+            args=(self._sock, self._start, lambda: self._closed),
+            name="raw-accept",
+            daemon=True,
+        ).start()
 
     def _start(self, conn: socket.socket, _peer: str) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -120,9 +126,9 @@ class RawServer:
                 recv_exact(conn, req, deadline)
                 op, offset, length = _RAW_REQ.unpack(req)
                 if op == 1:
-                    send_all(conn, [self.bufs.src_view[offset: offset + length]], deadline)
+                    send_all(conn, [self.bufs.src_view[offset : offset + length]], deadline)
                 else:
-                    recv_exact(conn, self.bufs.sink_view[offset: offset + length], deadline)
+                    recv_exact(conn, self.bufs.sink_view[offset : offset + length], deadline)
                     send_all(conn, [b"\0"], deadline)
         except (OSError, PolarKVError):  # the client closed, or a measurement was cut off
             pass
@@ -155,11 +161,13 @@ def socket_limit(server: RawServer, bufs: Buffers, n: int, conc: int, store: boo
         for i in range(c * per, (c + 1) * per):
             off = i * size
             if store:  # request and object in one sendmsg, as the PolarKV client sends a WRITE
-                send_all(sock, [_RAW_REQ.pack(2, off, size), bufs.src_view[off: off + size]], deadline)
+                send_all(
+                    sock, [_RAW_REQ.pack(2, off, size), bufs.src_view[off : off + size]], deadline
+                )
                 recv_exact(sock, ack, deadline)
             else:
                 send_all(sock, [_RAW_REQ.pack(1, off, size)], deadline)
-                recv_exact(sock, bufs.dst_view[off: off + size], deadline)
+                recv_exact(sock, bufs.dst_view[off : off + size], deadline)
 
     def cut() -> None:
         for s in socks:
@@ -171,4 +179,3 @@ def socket_limit(server: RawServer, bufs: Buffers, n: int, conc: int, store: boo
     finally:
         for s in socks:
             s.close()
-

@@ -16,13 +16,23 @@ from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.service import running_service
 
 
-def run(url: str | None, clients: int, seconds: float, prompts: int, chunks: int, chunk_size: str,
-        store_ratio: float, memory: str, json_path: str) -> bool:
+def run(
+    url: str | None,
+    clients: int,
+    seconds: float,
+    prompts: int,
+    chunks: int,
+    chunk_size: str,
+    store_ratio: float,
+    memory: str,
+    json_path: str,
+) -> bool:
     size = core.parse_bytes(chunk_size, "--chunk-size")
     core.parse_bytes(memory, "--memory")
     if clients < 1 or seconds <= 0 or prompts < 1 or chunks < 1 or not 0 <= store_ratio <= 1:
-        raise core.BadArguments("--clients, --prompts, --chunks >= 1; --seconds > 0; "
-                                "--store-ratio between 0 and 1")
+        raise core.BadArguments(
+            "--clients, --prompts, --chunks >= 1; --seconds > 0; --store-ratio between 0 and 1"
+        )
     with contextlib.ExitStack() as stack:
         if url is None:  # an embedded node (manager, slab and disk) of its own
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="polarkv-bench-load-"))
@@ -45,11 +55,28 @@ def run(url: str | None, clients: int, seconds: float, prompts: int, chunks: int
 @click.option("--prompts", default=64, show_default=True, help="Prompts in the working set.")
 @click.option("--chunks", default=8, show_default=True, help="Chunks per prompt.")
 @click.option("--chunk-size", default="256KiB", show_default=True, help="Bytes per chunk.")
-@click.option("--store-ratio", default=0.3, show_default=True, help="Share of operations that store.")
-@click.option("--memory", default="64MiB", show_default=True, help="Slab memory of the embedded node.")
+@click.option(
+    "--store-ratio", default=0.3, show_default=True, help="Share of operations that store."
+)
+@click.option(
+    "--memory", default="64MiB", show_default=True, help="Slab memory of the embedded node."
+)
 @click.option("--json", "json_path", default="", help="Also write the result to this file.")
-def command(url: str | None, clients: int, seconds: float, prompts: int, chunks: int,
-            chunk_size: str, store_ratio: float, memory: str, json_path: str) -> None:
+def command(
+    url: str | None,
+    clients: int,
+    seconds: float,
+    prompts: int,
+    chunks: int,
+    chunk_size: str,
+    store_ratio: float,
+    memory: str,
+    json_path: str,
+) -> None:
     """Mixed store/load from several processes; every loaded byte checked."""
-    core.guarded("load", lambda: run(url, clients, seconds, prompts, chunks, chunk_size,
-                                     store_ratio, memory, json_path))
+    core.guarded(
+        "load",
+        lambda: run(
+            url, clients, seconds, prompts, chunks, chunk_size, store_ratio, memory, json_path
+        ),
+    )

@@ -82,7 +82,9 @@ class Row(Pairs):
 
     entries: int
     op: str
-    latency_ms: list[float] = field(default_factory=list)  # the manager's first requests, all rounds
+    latency_ms: list[float] = field(
+        default_factory=list
+    )  # the manager's first requests, all rounds
 
     def percentile(self, q: float) -> float:
         lat = sorted(self.latency_ms)
@@ -109,8 +111,12 @@ class Table:
     notes: list[str] = field(default_factory=list)
 
 
-def parse_plan(entries: str, size: str, seconds: str, rounds: str, concurrency: str, restart: bool) -> Plan:
-    counts = core.parse_ints(entries.replace("k", "000").replace("M", "000000"), "--entries", BATCH, 10**8)
+def parse_plan(
+    entries: str, size: str, seconds: str, rounds: str, concurrency: str, restart: bool
+) -> Plan:
+    counts = core.parse_ints(
+        entries.replace("k", "000").replace("M", "000000"), "--entries", BATCH, 10**8
+    )
     try:
         secs = float(seconds)
     except ValueError:
@@ -120,8 +126,14 @@ def parse_plan(entries: str, size: str, seconds: str, rounds: str, concurrency: 
     size_b = core.parse_bytes(size, "--size")
     if not 4096 <= size_b <= 256 * MiB:
         raise core.BadArguments("--size: from 4KiB to 256MiB")
-    return Plan(counts, size_b, secs, core.parse_ints(rounds, "--rounds", 1, 20)[0],
-                core.parse_ints(concurrency, "--concurrency", 1, 64)[0], restart)
+    return Plan(
+        counts,
+        size_b,
+        secs,
+        core.parse_ints(rounds, "--rounds", 1, 20)[0],
+        core.parse_ints(concurrency, "--concurrency", 1, 64)[0],
+        restart,
+    )
 
 
 def _key(i: int) -> str:
@@ -141,9 +153,18 @@ class FakeNode:
 
     def register(self, url: str) -> None:
         self.url = url
-        AdminClient(url, timeout=REQUEST_TIMEOUT).call("POST", "/v1/nodes/register", {
-            "node_id": NODE_ID, "incarnation": self.incarnation, "address": "127.0.0.1:9",
-            "capacity": self.capacity, "transports": ["tcp"]}, admin=True)
+        AdminClient(url, timeout=REQUEST_TIMEOUT).call(
+            "POST",
+            "/v1/nodes/register",
+            {
+                "node_id": NODE_ID,
+                "incarnation": self.incarnation,
+                "address": "127.0.0.1:9",
+                "capacity": self.capacity,
+                "transports": ["tcp"],
+            },
+            admin=True,
+        )
         if self._thread is None:
             self._thread = threading.Thread(target=self._beat, name="bench-heartbeat", daemon=True)
             self._thread.start()
@@ -153,7 +174,10 @@ class FakeNode:
             status, _ = (0, None)
             with contextlib.suppress(PolarKVError):
                 status, _ = AdminClient(self.url, timeout=2.0).request(
-                    "POST", "/v1/nodes/heartbeat", {"node_id": NODE_ID, "incarnation": self.incarnation})
+                    "POST",
+                    "/v1/nodes/heartbeat",
+                    {"node_id": NODE_ID, "incarnation": self.incarnation},
+                )
             if status == 404:
                 with contextlib.suppress(PolarKVError):
                     self.register(self.url)
@@ -171,7 +195,9 @@ class Driver:
         self.sizes: dict[str, list[int]] = {}  # op -> [request 1, reply 1, request 2, reply 2]
 
     async def post(self, url: str, body: bytes) -> tuple[int, bytes]:
-        async with self.session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        async with self.session.post(
+            url, data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
             return resp.status, await resp.read()
 
 
@@ -187,6 +213,7 @@ async def _fill(driver: Driver, url: str, n: int, size: int, table: Table) -> No
     counter = iter(range(0, n, BATCH))
     started = time.perf_counter()
     with progress(n, f"fill {n} entries", "entry") as bar:
+
         async def worker() -> None:
             for first in counter:
                 keys = [_key(i) for i in range(first, min(n, first + BATCH))]
@@ -199,8 +226,9 @@ async def _fill(driver: Driver, url: str, n: int, size: int, table: Table) -> No
     table.fill_s = time.perf_counter() - started
 
 
-async def _call(driver: Driver, url: str, path: str, body: bytes,
-                latencies: list[float] | None = None) -> tuple[Any, int]:
+async def _call(
+    driver: Driver, url: str, path: str, body: bytes, latencies: list[float] | None = None
+) -> tuple[Any, int]:
     """POST one control request; its parsed reply and the reply's size."""
     t0 = time.perf_counter()
     status, raw = await driver.post(url + path, body)
@@ -211,20 +239,25 @@ async def _call(driver: Driver, url: str, path: str, body: bytes,
     return _loads(raw), len(raw)
 
 
-async def _allocate_commit(driver: Driver, url: str, keys: list[str], size: int,
-                           latencies: list[float] | None = None) -> int:
+async def _allocate_commit(
+    driver: Driver, url: str, keys: list[str], size: int, latencies: list[float] | None = None
+) -> int:
     body = _dumps({"items": [{"key": k, "size": size} for k in keys]})
     reply, reply_size = await _call(driver, url, "/v1/allocate", body, latencies)
     done = [r["key"] for r in reply["results"] if r["status"] == "allocated"]
     if not done:
         return 0
-    commit = _dumps({"lease": reply["lease"], "items": [{"key": k, "checksum": CHECKSUM} for k in done]})
+    commit = _dumps(
+        {"lease": reply["lease"], "items": [{"key": k, "checksum": CHECKSUM} for k in done]}
+    )
     committed, commit_size = await _call(driver, url, "/v1/commit", commit)
     driver.sizes.setdefault("allocate", [len(body), reply_size, len(commit), commit_size])
     return sum(1 for v in committed["results"].values() if v == "committed")
 
 
-async def _lookup_release(driver: Driver, url: str, keys: list[str], latencies: list[float] | None = None) -> int:
+async def _lookup_release(
+    driver: Driver, url: str, keys: list[str], latencies: list[float] | None = None
+) -> int:
     body = _dumps({"keys": keys, "lease": True})
     reply, reply_size = await _call(driver, url, "/v1/lookup", body, latencies)
     release = _dumps({"leases": [reply["lease"]] if reply["lease"] else []})
@@ -256,8 +289,9 @@ async def _bare_pair(driver: Driver, bare_url: str, sizes: list[int]) -> None:
             raise core.BenchError(f"bare handler: HTTP {status}")
 
 
-async def _measure_table(plan: Plan, n: int, url: str, bare_url: str, pid: int, rows: list[Row],
-                         table: Table) -> str:
+async def _measure_table(
+    plan: Plan, n: int, url: str, bare_url: str, pid: int, rows: list[Row], table: Table
+) -> str:
     """Fill, then lookup and allocate rounds beside the bare handler. Returns a key that
     is surely resident at the end (the last one committed)."""
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
@@ -294,9 +328,15 @@ async def _measure_table(plan: Plan, n: int, url: str, bare_url: str, pid: int, 
                 rates: dict[str, float] = {}
                 for side in ("bare", "manager") if r % 2 == 0 else ("manager", "bare"):
                     if side == "bare":
-                        done = await _phase(driver, plan.seconds, functools.partial(_bare_pair, driver, bare_url, sizes))
+                        done = await _phase(
+                            driver,
+                            plan.seconds,
+                            functools.partial(_bare_pair, driver, bare_url, sizes),
+                        )
                     else:
-                        done = await _phase(driver, plan.seconds, functools.partial(pair, row.latency_ms))
+                        done = await _phase(
+                            driver, plan.seconds, functools.partial(pair, row.latency_ms)
+                        )
                     rates[side] = done / plan.seconds
                 row.add(rates["manager"], rates["bare"])
             row.notes.append(f"bodies {sizes[0]}/{sizes[1]} B then {sizes[2]}/{sizes[3]} B")
@@ -314,8 +354,9 @@ async def _measure_table(plan: Plan, n: int, url: str, bare_url: str, pid: int, 
         return probe[0]
 
 
-async def _restart(plan: Plan, service: Service, node: FakeNode, probe: str, expected: int,
-                   table: Table) -> None:
+async def _restart(
+    plan: Plan, service: Service, node: FakeNode, probe: str, expected: int, table: Table
+) -> None:
     """Time the restarted manager: ready, first hit on `probe`, all `expected` entries back."""
     t0 = service.started
     url = await asyncio.to_thread(service.wait_ready)
@@ -328,11 +369,18 @@ async def _restart(plan: Plan, service: Service, node: FakeNode, probe: str, exp
     while not (table.first_hit_s and table.restored_s):
         now = time.monotonic()
         if now > deadline or (table.restored and now - last_change > STABLE_S):
-            what = "stopped growing" if now <= deadline else f"not done after {RESTORE_TIMEOUT:.0f}s"
-            table.notes.append(f"restart: restore {what} at {table.restored} of {expected} entries"
-                               + ("" if table.first_hit_s else "; the probe never hit"))
+            what = (
+                "stopped growing" if now <= deadline else f"not done after {RESTORE_TIMEOUT:.0f}s"
+            )
+            table.notes.append(
+                f"restart: restore {what} at {table.restored} of {expected} entries"
+                + ("" if table.first_hit_s else "; the probe never hit")
+            )
             return
-        if not table.first_hit_s and (await asyncio.to_thread(admin.call, "POST", "/v1/lookup", body))["hits"]:
+        if (
+            not table.first_hit_s
+            and (await asyncio.to_thread(admin.call, "POST", "/v1/lookup", body))["hits"]
+        ):
             table.first_hit_s = time.monotonic() - t0
         if not table.restored_s:
             table.restored = int((await asyncio.to_thread(admin.healthz)).get("keys_memory", 0))
@@ -348,15 +396,25 @@ def _one_table(plan: Plan, n: int, workdir: str, bare_url: str, rows: list[Row])
     settings = {"manager.metadata_url": f"sqlite:///{workdir}/meta.db"}
     node = FakeNode(n * plan.size)
     try:
-        first = Service(workdir, ("manager",), settings, stop_timeout=SERVICE_TIMEOUT,
-                        start_timeout=SERVICE_TIMEOUT)
+        first = Service(
+            workdir,
+            ("manager",),
+            settings,
+            stop_timeout=SERVICE_TIMEOUT,
+            start_timeout=SERVICE_TIMEOUT,
+        )
         with running(first) as (url,):
             node.register(url)
             probe = asyncio.run(_measure_table(plan, n, url, bare_url, first.pid, rows, table))
             expected = int(AdminClient(url).stats()["keys_memory"])
         if plan.restart:
-            again = Service(workdir, ("manager",), settings, stop_timeout=SERVICE_TIMEOUT,
-                            start_timeout=SERVICE_TIMEOUT)
+            again = Service(
+                workdir,
+                ("manager",),
+                settings,
+                stop_timeout=SERVICE_TIMEOUT,
+                start_timeout=SERVICE_TIMEOUT,
+            )
             try:
                 again.start()
                 asyncio.run(_restart(plan, again, node, probe, expected, table))
@@ -368,25 +426,65 @@ def _one_table(plan: Plan, n: int, workdir: str, bare_url: str, rows: list[Row])
 
 
 def render(rows: list[Row], tables: list[Table]) -> str:
-    lines = [("entries", "op (64 keys)", "manager pairs/s", "bare pairs/s", "ratio", "p50 ms", "p99 ms",
-              "notes")]
+    lines = [
+        (
+            "entries",
+            "op (64 keys)",
+            "manager pairs/s",
+            "bare pairs/s",
+            "ratio",
+            "p50 ms",
+            "p99 ms",
+            "notes",
+        )
+    ]
     for r in rows:
         ours, bare = r.best()
-        lines.append((f"{r.entries:,}", r.op, f"{ours:,.0f}", f"{bare:,.0f}", f"{r.ratio():.2f}",
-                      f"{r.percentile(0.5):.1f}", f"{r.percentile(0.99):.1f}", r.note_text()))
-    second = [("entries", "fill s", "RSS bytes/entry", "restart: ready s", "first hit s", "all back s",
-               "notes")]
+        lines.append(
+            (
+                f"{r.entries:,}",
+                r.op,
+                f"{ours:,.0f}",
+                f"{bare:,.0f}",
+                f"{r.ratio():.2f}",
+                f"{r.percentile(0.5):.1f}",
+                f"{r.percentile(0.99):.1f}",
+                r.note_text(),
+            )
+        )
+    second = [
+        (
+            "entries",
+            "fill s",
+            "RSS bytes/entry",
+            "restart: ready s",
+            "first hit s",
+            "all back s",
+            "notes",
+        )
+    ]
     for t in tables:
-        second.append((f"{t.entries:,}", f"{t.fill_s:.1f}", f"{t.bytes_per_entry:,.0f}",
-                       f"{t.ready_s:.2f}", f"{t.first_hit_s:.2f}", f"{t.restored_s:.2f}",
-                       "; ".join(dict.fromkeys(t.notes))))
+        second.append(
+            (
+                f"{t.entries:,}",
+                f"{t.fill_s:.1f}",
+                f"{t.bytes_per_entry:,.0f}",
+                f"{t.ready_s:.2f}",
+                f"{t.first_hit_s:.2f}",
+                f"{t.restored_s:.2f}",
+                "; ".join(dict.fromkeys(t.notes)),
+            )
+        )
     return core.markdown_table(lines) + "\n\n" + core.markdown_table(second)
 
 
 def run(plan: Plan, json_path: str) -> bool:
-    print(f"polarkv bench manager: {core.machine_text()}; entries {plan.entries}, {plan.size} B each, "
-          f"{plan.concurrency} clients, {plan.rounds} rounds of {plan.seconds:g}s per side; "
-          f"rates: best round; ratio: median over rounds of manager / bare", flush=True)
+    print(
+        f"polarkv bench manager: {core.machine_text()}; entries {plan.entries}, {plan.size} B each, "
+        f"{plan.concurrency} clients, {plan.rounds} rounds of {plan.seconds:g}s per side; "
+        f"rates: best round; ratio: median over rounds of manager / bare",
+        flush=True,
+    )
     started = time.monotonic()
     rows: list[Row] = []
     tables: list[Table] = []
@@ -396,30 +494,56 @@ def run(plan: Plan, json_path: str) -> bool:
             for n in plan.entries:
                 tables.append(_one_table(plan, n, os.path.join(workdir, str(n)), bare.url, rows))
                 t = tables[-1]
-                print(f"{n:,} entries: " + ", ".join(
-                    f"{r.op} {r.best()[0]:,.0f}/s (ratio {r.ratio():.2f})" for r in rows if r.entries == n)
+                print(
+                    f"{n:,} entries: "
+                    + ", ".join(
+                        f"{r.op} {r.best()[0]:,.0f}/s (ratio {r.ratio():.2f})"
+                        for r in rows
+                        if r.entries == n
+                    )
                     + f"; fill {t.fill_s:.1f}s; restart: first hit {t.first_hit_s:.2f}s, "
-                    f"all back {t.restored_s:.2f}s", flush=True)
+                    f"all back {t.restored_s:.2f}s",
+                    flush=True,
+                )
         finally:
             bare.stop()
     print(render(rows, tables))
     print(f"({time.monotonic() - started:.0f}s)")
     if json_path:
-        core.write_json(json_path, "manager", {
-            "entries": plan.entries, "size": plan.size, "seconds": plan.seconds, "rounds": plan.rounds,
-            "concurrency": plan.concurrency, "restart": plan.restart}, rows,
-            {"tables": [t.__dict__ for t in tables],
-             "latency_ms": {f"{r.entries} {r.op}": {"p50": r.percentile(0.5), "p99": r.percentile(0.99),
-                                                    "mean": statistics.fmean(r.latency_ms or [0.0])}
-                            for r in rows}})
+        core.write_json(
+            json_path,
+            "manager",
+            {
+                "entries": plan.entries,
+                "size": plan.size,
+                "seconds": plan.seconds,
+                "rounds": plan.rounds,
+                "concurrency": plan.concurrency,
+                "restart": plan.restart,
+            },
+            rows,
+            {
+                "tables": [t.__dict__ for t in tables],
+                "latency_ms": {
+                    f"{r.entries} {r.op}": {
+                        "p50": r.percentile(0.5),
+                        "p99": r.percentile(0.99),
+                        "mean": statistics.fmean(r.latency_ms or [0.0]),
+                    }
+                    for r in rows
+                },
+            },
+        )
     return not any(t.notes for t in tables)
 
 
 class _BareServer:
     def __init__(self, workdir: str) -> None:
         ready = os.path.join(workdir, "bare.url")
-        self._proc = subprocess.Popen([sys.executable, "-m", "polarkv_lib.tools.bench.bare_http", ready],
-                                      stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "polarkv_lib.tools.bench.bare_http", ready],
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):
             if self._proc.poll() is not None or time.monotonic() > deadline:
@@ -436,16 +560,31 @@ class _BareServer:
 
 
 @click.command("manager")
-@click.option("--entries", default="10k,200k,1M", show_default=True, help="Table sizes, comma separated.")
+@click.option(
+    "--entries", default="10k,200k,1M", show_default=True, help="Table sizes, comma separated."
+)
 @click.option("--size", default="64KiB", show_default=True, help="Bytes each entry accounts for.")
 @click.option("--seconds", default="2", show_default=True, help="Seconds per side per round.")
 @click.option("--rounds", default="3", show_default=True, help="Rounds per operation.")
 @click.option("--concurrency", default="4", show_default=True, help="Concurrent clients.")
-@click.option("--restart/--no-restart", default=True, show_default=True, help="Also time a restart.")
-@click.option("--json", "json_path", default="", help="Also write the results as JSON to this file.")
-def command(entries: str, size: str, seconds: str, rounds: str, concurrency: str, restart: bool,
-            json_path: str) -> None:
+@click.option(
+    "--restart/--no-restart", default=True, show_default=True, help="Also time a restart."
+)
+@click.option(
+    "--json", "json_path", default="", help="Also write the results as JSON to this file."
+)
+def command(
+    entries: str,
+    size: str,
+    seconds: str,
+    rounds: str,
+    concurrency: str,
+    restart: bool,
+    json_path: str,
+) -> None:
     """Manager lookups/s and allocations/s at growing table sizes beside a bare aiohttp
     handler; restart and memory per entry."""
-    core.guarded("manager", lambda: run(parse_plan(entries, size, seconds, rounds, concurrency, restart),
-                                        json_path))
+    core.guarded(
+        "manager",
+        lambda: run(parse_plan(entries, size, seconds, rounds, concurrency, restart), json_path),
+    )

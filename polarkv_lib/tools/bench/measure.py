@@ -11,8 +11,13 @@ from collections.abc import Callable
 from polarkv_lib.tools.bench.core import BenchError
 
 
-def run_threads(threads: int, work: Callable[[int], None], timeout: float, what: str,
-                on_timeout: Callable[[], None] = lambda: None) -> float:
+def run_threads(
+    threads: int,
+    work: Callable[[int], None],
+    timeout: float,
+    what: str,
+    on_timeout: Callable[[], None] = lambda: None,
+) -> float:
     """Run work(0..threads-1), one per thread, all released together; return the seconds
     from their common start to the last one's end. Bounded by `timeout` (then
     `on_timeout` is called to unblock them); any error in a thread is raised as a
@@ -27,8 +32,10 @@ def run_threads(threads: int, work: Callable[[int], None], timeout: float, what:
         except BaseException as exc:
             errors.append(exc)
 
-    workers = [threading.Thread(target=body, args=(i,), daemon=True, name=f"bench-{i}")
-               for i in range(threads)]
+    workers = [
+        threading.Thread(target=body, args=(i,), daemon=True, name=f"bench-{i}")
+        for i in range(threads)
+    ]
     for t in workers:
         t.start()
     barrier.wait()
@@ -103,5 +110,7 @@ class CpuWatch:
 
     def text(self) -> str:
         node = f"node {self.node:.1f}s, " if self.pid else ""
-        return (f"CPU over {self.wall:.1f}s: {node}bench {self.own:.1f}s, machine "
-                f"{self.machine:.0%} busy ({os.cpu_count()} CPUs)")
+        return (
+            f"CPU over {self.wall:.1f}s: {node}bench {self.own:.1f}s, machine "
+            f"{self.machine:.0%} busy ({os.cpu_count()} CPUs)"
+        )

@@ -83,16 +83,23 @@ def parse_plan(sizes: str, systems: str, concurrency: str, total: str, rounds: s
     return Plan(size_list, names, conc, total_b, n_rounds)
 
 
-def _start_peers(plan: Plan, workdir: str, stack: contextlib.ExitStack, skipped: dict[str, str]) -> list[Peer]:
+def _start_peers(
+    plan: Plan, workdir: str, stack: contextlib.ExitStack, skipped: dict[str, str]
+) -> list[Peer]:
     """Start every chosen system; one that cannot run is recorded in `skipped`."""
     peers: list[Peer] = []
     names = set(plan.systems)
     if names & {"polarkv-tcp", "polarkv-shm"}:
-        info = stack.enter_context(service.running_service(
-            f"{workdir}/polarkv", ("manager", "slab"), {"slab.memory": str(plan.memory)}))
+        info = stack.enter_context(
+            service.running_service(
+                f"{workdir}/polarkv", ("manager", "slab"), {"slab.memory": str(plan.memory)}
+            )
+        )
         for transport in ("tcp", "shm"):
             if f"polarkv-{transport}" in names:
-                peer: Peer = PolarKVPeer(str(info["manager_url"]), transport, plan.concurrency, plan.memory)
+                peer: Peer = PolarKVPeer(
+                    str(info["manager_url"]), transport, plan.concurrency, plan.memory
+                )
                 stack.callback(peer.close)
                 peers.append(peer)
     if names & {"redis", "redis-pipelined"}:
@@ -126,8 +133,16 @@ def _start_peers(plan: Plan, workdir: str, stack: contextlib.ExitStack, skipped:
     return peers
 
 
-def _round(peers: list[Peer], server: RawServer, bufs: Buffers, n: int, conc: int,
-           rows: dict[tuple[str, str, int], Row], tags: Iterator[int], broken: dict[str, str]) -> None:
+def _round(
+    peers: list[Peer],
+    server: RawServer,
+    bufs: Buffers,
+    n: int,
+    conc: int,
+    rows: dict[tuple[str, str, int], Row],
+    tags: Iterator[int],
+    broken: dict[str, str],
+) -> None:
     """One round: per system, raw store then its store, raw load then its load."""
     for peer in peers:
         if peer.name in broken:
@@ -183,8 +198,17 @@ def render(rows: list[Row], skipped: dict[str, str]) -> str:
     lines = [header]
     for r in rows:
         ours, raw = r.best()
-        lines.append((r.system, size_text(r.size), r.op, f"{ours:.2f}", f"{raw:.2f}", f"{r.ratio():.2f}",
-                      r.note_text()))
+        lines.append(
+            (
+                r.system,
+                size_text(r.size),
+                r.op,
+                f"{ours:.2f}",
+                f"{raw:.2f}",
+                f"{r.ratio():.2f}",
+                r.note_text(),
+            )
+        )
     for name, why in skipped.items():
         lines.append((name, "-", "-", "-", "-", "-", f"skipped: {why}"))
     return core.markdown_table(lines)
@@ -199,15 +223,24 @@ def plot(path: str, rows: list[Row], plan: Plan) -> str | None:
         series.setdefault(r.system, [0.0] * len(groups))[groups.index(key)] = r.best()[0]
         raw[key] = max(raw.get(key, 0.0), r.best()[1])
     all_series = {"raw socket": [raw.get(g, 0.0) for g in groups], **series}
-    return bar_chart(path, f"polarkv bench peers: {plan.total // MiB} MiB per measurement, "
-                     f"{plan.concurrency} callers, loopback", groups, all_series, "GB/s (best round)",
-                     note=core.machine_text())
+    return bar_chart(
+        path,
+        f"polarkv bench peers: {plan.total // MiB} MiB per measurement, "
+        f"{plan.concurrency} callers, loopback",
+        groups,
+        all_series,
+        "GB/s (best round)",
+        note=core.machine_text(),
+    )
 
 
 def run(plan: Plan, json_path: str, png_path: str) -> bool:
-    print(f"polarkv bench peers: {core.machine_text()}; {plan.total // MiB} MiB per measurement, "
-          f"{plan.concurrency} callers, batches of up to 64 objects or 64 MiB, {plan.rounds} rounds; "
-          f"GB/s = 1e9 bytes/s, best round; ratio: median over rounds of system / raw", flush=True)
+    print(
+        f"polarkv bench peers: {core.machine_text()}; {plan.total // MiB} MiB per measurement, "
+        f"{plan.concurrency} callers, batches of up to 64 objects or 64 MiB, {plan.rounds} rounds; "
+        f"GB/s = 1e9 bytes/s, best round; ratio: median over rounds of system / raw",
+        flush=True,
+    )
     started = time.monotonic()
     skipped: dict[str, str] = {}
     notes: list[str] = []
@@ -220,9 +253,19 @@ def run(plan: Plan, json_path: str, png_path: str) -> bool:
         print(note)
     print(f"({time.monotonic() - started:.0f}s)")
     if json_path:
-        core.write_json(json_path, "peers", {"sizes": plan.sizes, "systems": plan.systems,
-                        "concurrency": plan.concurrency, "total": plan.total, "rounds": plan.rounds},
-                        rows, {"skipped": skipped, "notes": notes})
+        core.write_json(
+            json_path,
+            "peers",
+            {
+                "sizes": plan.sizes,
+                "systems": plan.systems,
+                "concurrency": plan.concurrency,
+                "total": plan.total,
+                "rounds": plan.rounds,
+            },
+            rows,
+            {"skipped": skipped, "notes": notes},
+        )
     if png_path:
         why = plot(png_path, rows, plan)
         if why:
@@ -231,15 +274,34 @@ def run(plan: Plan, json_path: str, png_path: str) -> bool:
 
 
 @click.command("peers")
-@click.option("--sizes", default="1MiB,4MiB,16MiB", show_default=True, help="Object sizes, comma separated.")
-@click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Systems beside the raw limit.")
-@click.option("--concurrency", default="4", show_default=True, help="Concurrent callers for every system.")
-@click.option("--total", default="256MiB", show_default=True, help="Bytes stored and loaded per measurement.")
+@click.option(
+    "--sizes", default="1MiB,4MiB,16MiB", show_default=True, help="Object sizes, comma separated."
+)
+@click.option(
+    "--systems", default=",".join(SYSTEMS), show_default=True, help="Systems beside the raw limit."
+)
+@click.option(
+    "--concurrency", default="4", show_default=True, help="Concurrent callers for every system."
+)
+@click.option(
+    "--total", default="256MiB", show_default=True, help="Bytes stored and loaded per measurement."
+)
 @click.option("--rounds", default=str(ROUNDS), show_default=True, help="Rounds per size.")
-@click.option("--json", "json_path", default="", help="Also write the results as JSON to this file.")
+@click.option(
+    "--json", "json_path", default="", help="Also write the results as JSON to this file."
+)
 @click.option("--plot", "png_path", default="", help="Also draw a bar chart (PNG) to this file.")
-def command(sizes: str, systems: str, concurrency: str, total: str, rounds: str, json_path: str,
-            png_path: str) -> None:
+def command(
+    sizes: str,
+    systems: str,
+    concurrency: str,
+    total: str,
+    rounds: str,
+    json_path: str,
+    png_path: str,
+) -> None:
     """PolarKV (tcp, shm), Redis and Mooncake Store beside the raw socket limit, one run."""
-    core.guarded("peers", lambda: run(parse_plan(sizes, systems, concurrency, total, rounds),
-                                      json_path, png_path))
+    core.guarded(
+        "peers",
+        lambda: run(parse_plan(sizes, systems, concurrency, total, rounds), json_path, png_path),
+    )

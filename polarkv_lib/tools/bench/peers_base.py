@@ -68,7 +68,8 @@ class PolarKVPeer(Peer):
         from polarkv_lib.tools.bench.datapath import warm_up
 
         self._loop.run_until_complete(
-            warm_up(self._ours, bufs, self.transport, self.conc, self.memory, tags, notes))
+            warm_up(self._ours, bufs, self.transport, self.conc, self.memory, tags, notes)
+        )
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

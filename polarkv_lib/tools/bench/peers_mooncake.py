@@ -55,18 +55,37 @@ class MooncakePeer(Peer):
     def __init__(self, workdir: str, conc: int, segment: int) -> None:
         self.name = "mooncake"
         if importlib.util.find_spec("mooncake") is None or _master_binary() is None:
-            raise PeerUnavailable("mooncake-transfer-engine-non-cuda is not installed (scripts/setup-peers)")
+            raise PeerUnavailable(
+                "mooncake-transfer-engine-non-cuda is not installed (scripts/setup-peers)"
+            )
         unshare = shutil.which("unshare")
         if unshare is None or shutil.which("ip") is None:
-            raise PeerUnavailable("needs unshare and ip (util-linux, iproute2) for a private network namespace")
+            raise PeerUnavailable(
+                "needs unshare and ip (util-linux, iproute2) for a private network namespace"
+            )
         ns = [unshare, "-n"] if os.geteuid() == 0 else [unshare, "-rn"]
         self._log_path = os.path.join(workdir, "mooncake.log")
         env = {**os.environ, **ENV}
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                [*ns, sys.executable, "-m", "polarkv_lib.tools.bench.peers_mooncake", "worker",
-                 "--conc", str(conc), "--segment", str(segment), "--workdir", workdir],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
+                [
+                    *ns,
+                    sys.executable,
+                    "-m",
+                    "polarkv_lib.tools.bench.peers_mooncake",
+                    "worker",
+                    "--conc",
+                    str(conc),
+                    "--segment",
+                    str(segment),
+                    "--workdir",
+                    workdir,
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+            )
         self._lines: queue.Queue[bytes] = queue.Queue()
         threading.Thread(target=self._read, name="mooncake-reader", daemon=True).start()
         try:
@@ -84,7 +103,9 @@ class MooncakePeer(Peer):
     def _log_tail(self) -> str:
         try:
             with open(self._log_path, errors="replace") as fh:
-                lines = [ln for ln in fh.read().splitlines() if ln[:1] in ("E", "F") or "rror" in ln]
+                lines = [
+                    ln for ln in fh.read().splitlines() if ln[:1] in ("E", "F") or "rror" in ln
+                ]
         except OSError:
             return ""
         return " | ".join(lines[-3:])
@@ -93,7 +114,9 @@ class MooncakePeer(Peer):
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise PeerUnavailable(f"mooncake worker silent for {timeout:.0f}s; {self._log_tail()}") from None
+            raise PeerUnavailable(
+                f"mooncake worker silent for {timeout:.0f}s; {self._log_tail()}"
+            ) from None
         if not line:
             raise PeerUnavailable(f"mooncake worker exited; {self._log_tail()}")
         reply: dict[str, Any] = orjson.loads(line)
@@ -145,7 +168,10 @@ class MooncakePeer(Peer):
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], deadline: float) -> None:
     while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1.0):
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), timeout=1.0),
+        ):
             return
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"mooncake_master did not listen on {port}")
@@ -156,7 +182,9 @@ def _setup(segment: int) -> Any:
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", METADATA_URL, segment, LOCAL_BUFFER, "tcp", "", f"127.0.0.1:{MASTER_PORT}")
+    rc = store.setup(
+        "127.0.0.1", METADATA_URL, segment, LOCAL_BUFFER, "tcp", "", f"127.0.0.1:{MASTER_PORT}"
+    )
     if rc != 0:
         raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
     return store
@@ -195,8 +223,10 @@ class _Worker:
         def work(c: int) -> None:
             for start, count in plan[c]:
                 rcs = self.store.batch_put_from(
-                    self._keys(tag, start, count), [src + (start + j) * bufs.size for j in range(count)],
-                    [bufs.size] * count)
+                    self._keys(tag, start, count),
+                    [src + (start + j) * bufs.size for j in range(count)],
+                    [bufs.size] * count,
+                )
                 stored[c] += sum(1 for rc in rcs if rc == 0)
 
         seconds = run_threads(self.conc, work, OP_TIMEOUT, "mooncake store")
@@ -213,8 +243,10 @@ class _Worker:
         def work(c: int) -> None:
             for start, count in plan[c]:
                 got = self.store.batch_get_into(
-                    self._keys(tag, start, count), [dst + (start + j) * bufs.size for j in range(count)],
-                    [bufs.size] * count)
+                    self._keys(tag, start, count),
+                    [dst + (start + j) * bufs.size for j in range(count)],
+                    [bufs.size] * count,
+                )
                 prefix = 0  # as a KV prefix: up to the first object that did not arrive whole
                 while prefix < count and got[prefix] == bufs.size:
                     prefix += 1
@@ -238,8 +270,12 @@ def _serve(worker: _Worker, commands: IO[bytes], replies: IO[bytes]) -> None:
         cmd = orjson.loads(line)
         try:
             op = cmd.pop("op")
-            handler: Callable[..., dict[str, Any]] = {"prepare": worker.prepare, "store": worker.store_, "load": worker.load,
-                       "forget": worker.forget}[op]
+            handler: Callable[..., dict[str, Any]] = {
+                "prepare": worker.prepare,
+                "store": worker.store_,
+                "load": worker.load,
+                "forget": worker.forget,
+            }[op]
             reply = handler(**cmd)
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
@@ -257,22 +293,48 @@ def _worker_main(conc: int, segment: int, workdir: str) -> None:
         master = _master_binary()
         assert master is not None
         deadline = time.monotonic() + START_TIMEOUT / 2
-        procs.append(subprocess.Popen(
-            [master, f"--rpc_port={MASTER_PORT}", "--rpc_address=127.0.0.1",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={METADATA_PORT}", f"--metrics_port={METRICS_PORT}",
-             "--metrics_host=127.0.0.1"],
-            stdin=subprocess.DEVNULL, stdout=2, stderr=2, cwd=workdir))
+        procs.append(
+            subprocess.Popen(
+                [
+                    master,
+                    f"--rpc_port={MASTER_PORT}",
+                    "--rpc_address=127.0.0.1",
+                    "--enable_http_metadata_server=true",
+                    "--http_metadata_server_host=127.0.0.1",
+                    f"--http_metadata_server_port={METADATA_PORT}",
+                    f"--metrics_port={METRICS_PORT}",
+                    "--metrics_host=127.0.0.1",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=2,
+                stderr=2,
+                cwd=workdir,
+            )
+        )
         _wait_port(MASTER_PORT, procs[0], deadline)
         _wait_port(METADATA_PORT, procs[0], deadline)
-        node = subprocess.Popen([sys.executable, "-m", "polarkv_lib.tools.bench.peers_mooncake", "node",
-                                 "--segment", str(segment)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=2)
+        node = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "polarkv_lib.tools.bench.peers_mooncake",
+                "node",
+                "--segment",
+                str(segment),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=2,
+        )
         procs.append(node)
         assert node.stdout is not None
-        if node.stdout.readline().strip() != b"ready":  # the node prints it once its segment is mounted
+        if (
+            node.stdout.readline().strip() != b"ready"
+        ):  # the node prints it once its segment is mounted
             raise RuntimeError("the memory node did not start")
-        worker = _Worker(_setup(0), conc)  # the client contributes no memory: all of it is the node's
+        worker = _Worker(
+            _setup(0), conc
+        )  # the client contributes no memory: all of it is the node's
     except Exception as exc:
         replies.write(orjson.dumps({"error": f"{type(exc).__name__}: {exc}"}) + b"\n")
         replies.flush()

@@ -38,15 +38,36 @@ class RedisServer:
         try:
             import redis  # noqa: F401  (the client library; checked before starting anything)
         except ImportError:
-            raise PeerUnavailable("redis-py is not installed (pip install 'polarkv[bench]')") from None
+            raise PeerUnavailable(
+                "redis-py is not installed (pip install 'polarkv[bench]')"
+            ) from None
         self.port = _free_port()
         self._log = os.path.join(workdir, "redis.log")
         with open(self._log, "wb") as log:
             self._proc = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-                 "--save", "", "--appendonly", "no", "--dir", workdir,
-                 "--maxmemory", str(maxmemory), "--maxmemory-policy", "allkeys-lru"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    binary,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--protected-mode",
+                    "yes",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    workdir,
+                    "--maxmemory",
+                    str(maxmemory),
+                    "--maxmemory-policy",
+                    "allkeys-lru",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             try:
@@ -82,8 +103,10 @@ class RedisPeer(Peer):
         self.name = "redis-pipelined" if pipelined else "redis"
         self.conc = conc
         self.pipelined = pipelined
-        self._clients: list[Any] = [redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=OP_TIMEOUT)
-                                    for _ in range(conc)]
+        self._clients: list[Any] = [
+            redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=OP_TIMEOUT)
+            for _ in range(conc)
+        ]
 
     @staticmethod
     def _key(tag: int, i: int) -> str:
@@ -135,7 +158,7 @@ class RedisPeer(Peer):
                         wrong_size[0] += 1
                         break
                     off = (start + j) * bufs.size
-                    bufs.dst_view[off: off + bufs.size] = value
+                    bufs.dst_view[off : off + bufs.size] = value
                     got += 1
                 hits[c].append((start, got))
 
@@ -148,7 +171,7 @@ class RedisPeer(Peer):
         """Untimed: drop a round's keys so rounds never evict each other's."""
         keys = [self._key(tag, i) for i in range(n)]
         for k in range(0, len(keys), 512):
-            self._clients[0].delete(*keys[k: k + 512])
+            self._clients[0].delete(*keys[k : k + 512])
 
     def _cut(self) -> None:
         for client in self._clients:
@@ -159,4 +182,3 @@ class RedisPeer(Peer):
         for client in self._clients:
             with contextlib.suppress(Exception):
                 client.close()
-

@@ -9,8 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 
-def bar_chart(path: str, title: str, groups: Sequence[str], series: Mapping[str, Sequence[float]],
-              ylabel: str, note: str = "") -> str | None:
+def bar_chart(
+    path: str,
+    title: str,
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    ylabel: str,
+    note: str = "",
+) -> str | None:
     """Grouped bars: one group per x label, one bar per series. Returns None when drawn,
     else why not (matplotlib missing)."""
     try:
@@ -28,8 +34,13 @@ def bar_chart(path: str, title: str, groups: Sequence[str], series: Mapping[str,
     ax.set_xticks(range(len(groups)), list(groups))
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, ncols=min(6, len(series)), loc="upper center", bbox_to_anchor=(0.5, -0.1),
-              frameon=False)
+    ax.legend(
+        fontsize=8,
+        ncols=min(6, len(series)),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.1),
+        frameon=False,
+    )
     ax.grid(axis="y", alpha=0.3)
     if note:
         fig.text(0.01, 0.01, note, fontsize=7, alpha=0.7)

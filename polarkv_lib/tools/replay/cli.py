@@ -66,45 +66,113 @@ def _router(route: str, nodes: int, session_blocks: int) -> Callable[[int, Reque
 
 @click.command("replay")
 @click.option("--trace", "trace_path", required=True, help="Mooncake-format JSONL trace.")
-@click.option("--manager-url", default=None,
-              help="A running service: manager URL, or several comma-separated shards. "
-                   "Default: start an embedded one.")
-@click.option("--model", default=None, help="Model preset: llama-3-8b, qwen3-235b-a22b, deepseek-r1.")
+@click.option(
+    "--manager-url",
+    default=None,
+    help="A running service: manager URL, or several comma-separated shards. "
+    "Default: start an embedded one.",
+)
+@click.option(
+    "--model", default=None, help="Model preset: llama-3-8b, qwen3-235b-a22b, deepseek-r1."
+)
 @click.option("--kv-bytes-per-token", default=None, help="KV bytes per token (instead of --model).")
 @click.option("--block-tokens", default="512", show_default=True, help="Tokens per trace block.")
-@click.option("--scale", default="1", show_default=True,
-              help="Divide each block's bytes by this (fit a long trace on a small machine).")
+@click.option(
+    "--scale",
+    default="1",
+    show_default=True,
+    help="Divide each block's bytes by this (fit a long trace on a small machine).",
+)
 @click.option("--requests", "limit", default=None, help="Replay only the first N requests.")
-@click.option("--time-scale", default="0", show_default=True,
-              help="0: as fast as possible; 1: the trace's pace; 10: ten times faster.")
-@click.option("--prefill-s-per-token", default=None,
-              help="Modelled prefill seconds per token (default: the preset's).")
-@click.option("--load-bandwidth", default=None,
-              help="Model loads of memory hits at this rate, e.g. 3GB/s (default: measured x scale).")
+@click.option(
+    "--time-scale",
+    default="0",
+    show_default=True,
+    help="0: as fast as possible; 1: the trace's pace; 10: ten times faster.",
+)
+@click.option(
+    "--prefill-s-per-token",
+    default=None,
+    help="Modelled prefill seconds per token (default: the preset's).",
+)
+@click.option(
+    "--load-bandwidth",
+    default=None,
+    help="Model loads of memory hits at this rate, e.g. 3GB/s (default: measured x scale).",
+)
 @click.option("--disk-bandwidth", default=None, help="Model loads of disk hits at this rate.")
-@click.option("--nodes", default="1", show_default=True,
-              help="Embedded only: N separate caches, each request routed to one.")
-@click.option("--route", type=click.Choice(["rr", "session"]), default="rr", show_default=True,
-              help="With --nodes: round-robin, or by session (hash of the first blocks).")
-@click.option("--session-blocks", default="2", show_default=True,
-              help="Leading blocks that name a session for --route session.")
-@click.option("--embedded-roles", default="manager,slab,disk", show_default=True,
-              help="Roles of the embedded service(s), e.g. manager,slab for memory only.")
-@click.option("--set", "settings", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Config of the embedded service(s); repeatable.")
-@click.option("--transport", type=click.Choice(["auto", "tcp", "shm"]), default="auto", show_default=True)
+@click.option(
+    "--nodes",
+    default="1",
+    show_default=True,
+    help="Embedded only: N separate caches, each request routed to one.",
+)
+@click.option(
+    "--route",
+    type=click.Choice(["rr", "session"]),
+    default="rr",
+    show_default=True,
+    help="With --nodes: round-robin, or by session (hash of the first blocks).",
+)
+@click.option(
+    "--session-blocks",
+    default="2",
+    show_default=True,
+    help="Leading blocks that name a session for --route session.",
+)
+@click.option(
+    "--embedded-roles",
+    default="manager,slab,disk",
+    show_default=True,
+    help="Roles of the embedded service(s), e.g. manager,slab for memory only.",
+)
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Config of the embedded service(s); repeatable.",
+)
+@click.option(
+    "--transport", type=click.Choice(["auto", "tcp", "shm"]), default="auto", show_default=True
+)
 @click.option("--timeout", default="10", show_default=True, help="Client timeout, seconds.")
-@click.option("--json", "json_path", default=None, help="Write the report as JSON here ('-': stdout).")
-@click.option("--per-request", is_flag=True, default=False, help="Add every request's numbers to the JSON.")
-@click.option("--plot", "plot_path", default=None, help="Write hit rate and TTFT over the trace to this PNG.")
+@click.option(
+    "--json", "json_path", default=None, help="Write the report as JSON here ('-': stdout)."
+)
+@click.option(
+    "--per-request", is_flag=True, default=False, help="Add every request's numbers to the JSON."
+)
+@click.option(
+    "--plot", "plot_path", default=None, help="Write hit rate and TTFT over the trace to this PNG."
+)
 @click.option("--title", default="", help="Title of the plot.")
 @click.pass_context
-def replay(ctx: click.Context, trace_path: str, manager_url: str | None, model: str | None,
-           kv_bytes_per_token: str | None, block_tokens: str, scale: str, limit: str | None,
-           time_scale: str, prefill_s_per_token: str | None, load_bandwidth: str | None,
-           disk_bandwidth: str | None, nodes: str, route: str, session_blocks: str,
-           embedded_roles: str, settings: tuple[str, ...], transport: str, timeout: str,
-           json_path: str | None, per_request: bool, plot_path: str | None, title: str) -> None:
+def replay(
+    ctx: click.Context,
+    trace_path: str,
+    manager_url: str | None,
+    model: str | None,
+    kv_bytes_per_token: str | None,
+    block_tokens: str,
+    scale: str,
+    limit: str | None,
+    time_scale: str,
+    prefill_s_per_token: str | None,
+    load_bandwidth: str | None,
+    disk_bandwidth: str | None,
+    nodes: str,
+    route: str,
+    session_blocks: str,
+    embedded_roles: str,
+    settings: tuple[str, ...],
+    transport: str,
+    timeout: str,
+    json_path: str | None,
+    per_request: bool,
+    plot_path: str | None,
+    title: str,
+) -> None:
     """Replay a trace: per request, load the longest cached prefix, store the rest."""
     import logging
 
@@ -112,10 +180,10 @@ def replay(ctx: click.Context, trace_path: str, manager_url: str | None, model: 
     # library that configures the root logger on import then finds it already set).
     logging.basicConfig(level=logging.WARNING, format="polarkv replay: %(name)s: %(message)s")
     from polarkv_lib.config import load_config
+    from polarkv_lib.tools.bench.core import BenchError
     from polarkv_lib.tools.presets import preset
     from polarkv_lib.tools.replay import report, runner
     from polarkv_lib.tools.replay.trace import load_trace
-    from polarkv_lib.tools.timing import BenchError
 
     if model is not None and kv_bytes_per_token is not None:
         _fail("give --model or --kv-bytes-per-token, not both")
@@ -123,14 +191,24 @@ def replay(ctx: click.Context, trace_path: str, manager_url: str | None, model: 
         chosen = preset(model or "llama-3-8b") if kv_bytes_per_token is None else None
     except ValueError as exc:
         _fail(str(exc))
-    per_token = chosen.kv_bytes_per_token if chosen else _number(kv_bytes_per_token or "", "--kv-bytes-per-token", int, 1)
+    per_token = (
+        chosen.kv_bytes_per_token
+        if chosen
+        else _number(kv_bytes_per_token or "", "--kv-bytes-per-token", int, 1)
+    )
     prefill = chosen.prefill_s_per_token if chosen else 0.0
     if prefill_s_per_token is not None:
         prefill = _number(prefill_s_per_token, "--prefill-s-per-token", float, 0)
     n_nodes = _number(nodes, "--nodes", int, 1)
     roles = tuple(r.strip() for r in embedded_roles.split(",") if r.strip())
-    if not set(roles) <= {"manager", "slab", "disk"} or "manager" not in roles or "slab" not in roles:
-        _fail(f"--embedded-roles must name manager and slab (and optionally disk), got {embedded_roles!r}")
+    if (
+        not set(roles) <= {"manager", "slab", "disk"}
+        or "manager" not in roles
+        or "slab" not in roles
+    ):
+        _fail(
+            f"--embedded-roles must name manager and slab (and optionally disk), got {embedded_roles!r}"
+        )
     if manager_url is not None and (n_nodes > 1 or settings):
         _fail("--nodes and --set configure embedded services; they cannot go with --manager-url")
     root = ctx.find_root().obj or {}
@@ -153,11 +231,16 @@ def replay(ctx: click.Context, trace_path: str, manager_url: str | None, model: 
         namespace=f"replay/{model or 'custom'}/{per_token}/{block_tokens}",
         token=token,
     )
-    ttft = report.TtftModel(prefill, _rate(load_bandwidth, "--load-bandwidth"),
-                            _rate(disk_bandwidth, "--disk-bandwidth"))
+    ttft = report.TtftModel(
+        prefill,
+        _rate(load_bandwidth, "--load-bandwidth"),
+        _rate(disk_bandwidth, "--disk-bandwidth"),
+    )
     if options.scale > 1 and ttft.load_bandwidth is None:
-        _fail("--scale above 1 needs --load-bandwidth: the measured load time is of "
-              "scaled-down blocks and says little about full-size ones")
+        _fail(
+            "--scale above 1 needs --load-bandwidth: the measured load time is of "
+            "scaled-down blocks and says little about full-size ones"
+        )
     if ttft.disk_bandwidth is not None and ttft.load_bandwidth is None:
         _fail("--disk-bandwidth needs --load-bandwidth (the rate of memory hits)")
     try:
@@ -181,14 +264,22 @@ def replay(ctx: click.Context, trace_path: str, manager_url: str | None, model: 
         with open(json_path, "wb") as fh:
             fh.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     if plot_path:
-        report.plot(run, options, ttft, plot_path, title or f"replay of {summary['requests']} requests")
+        report.plot(
+            run, options, ttft, plot_path, title or f"replay of {summary['requests']} requests"
+        )
     if run.wrong_blocks:
         _fail(f"{run.wrong_blocks} loaded blocks held wrong bytes", ExitCode.RUNTIME)
 
 
-def _run(requests: list[Request], manager_url: str | None, nodes: int, roles: tuple[str, ...],
-         config: dict[str, str], options: ReplaySettings, route: Callable[[int, Request], int]
-         ) -> ReplayResult:
+def _run(
+    requests: list[Request],
+    manager_url: str | None,
+    nodes: int,
+    roles: tuple[str, ...],
+    config: dict[str, str],
+    options: ReplaySettings,
+    route: Callable[[int, Request], int],
+) -> ReplayResult:
     from polarkv_lib.tools import service
     from polarkv_lib.tools.replay import runner
 

@@ -49,12 +49,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 def spread(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"p50": 0.0, "p90": 0.0, "mean": 0.0}
-    return {"p50": round(percentile(values, 50), 6), "p90": round(percentile(values, 90), 6),
-            "mean": round(statistics.fmean(values), 6)}
+    return {
+        "p50": round(percentile(values, 50), 6),
+        "p90": round(percentile(values, 90), 6),
+        "mean": round(statistics.fmean(values), 6),
+    }
 
 
-def summarize(run: ReplayResult, settings: ReplaySettings, model: TtftModel,
-              per_request: bool = False) -> dict[str, Any]:
+def summarize(
+    run: ReplayResult, settings: ReplaySettings, model: TtftModel, per_request: bool = False
+) -> dict[str, Any]:
     rs = run.results
     blocks = sum(r.blocks for r in rs)
     hit_blocks = sum(r.hit_blocks for r in rs)
@@ -98,13 +102,22 @@ def summarize(run: ReplayResult, settings: ReplaySettings, model: TtftModel,
         "ttft_s": spread(ttft),
         "ttft_no_cache_s": spread(base),
         "ttft_mean_reduction": round(1 - statistics.fmean(ttft) / statistics.fmean(base), 4)
-        if rs and statistics.fmean(base) > 0 else 0.0,
+        if rs and statistics.fmean(base) > 0
+        else 0.0,
     }
     if per_request:
         out["per_request"] = [
-            {"blocks": r.blocks, "hit_blocks": r.hit_blocks, "hit_memory": r.hit_memory,
-             "hit_disk": r.hit_disk, "load_s": round(r.load_s, 6), "cache": r.cache,
-             "ttft_s": round(t, 6)} for r, t in zip(rs, ttft, strict=True)]
+            {
+                "blocks": r.blocks,
+                "hit_blocks": r.hit_blocks,
+                "hit_memory": r.hit_memory,
+                "hit_disk": r.hit_disk,
+                "load_s": round(r.load_s, 6),
+                "cache": r.cache,
+                "ttft_s": round(t, 6),
+            }
+            for r, t in zip(rs, ttft, strict=True)
+        ]
     return out
 
 
@@ -126,7 +139,9 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(run: ReplayResult, settings: ReplaySettings, model: TtftModel, path: str, title: str) -> None:
+def plot(
+    run: ReplayResult, settings: ReplaySettings, model: TtftModel, path: str, title: str
+) -> None:
     """Hit rate (cumulative and per 100 requests) and TTFT over the trace, one PNG."""
     import matplotlib
 
@@ -140,8 +155,11 @@ def plot(run: ReplayResult, settings: ReplaySettings, model: TtftModel, path: st
         hits += r.hit_blocks
         blocks += r.blocks
         cum.append(hits / max(blocks, 1))
-    window = [sum(r.hit_blocks for r in rs[max(0, i - 99):i + 1])
-              / max(1, sum(r.blocks for r in rs[max(0, i - 99):i + 1])) for i in range(len(rs))]
+    window = [
+        sum(r.hit_blocks for r in rs[max(0, i - 99) : i + 1])
+        / max(1, sum(r.blocks for r in rs[max(0, i - 99) : i + 1]))
+        for i in range(len(rs))
+    ]
     ttft = [model.ttft_s(r, settings) for r in rs]
     base = [model.no_cache_s(r) for r in rs]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)

@@ -14,17 +14,16 @@ after every request: exact only while the replay is the service's only client.
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import orjson
-
 from polarkv_lib.client import PolarKVClient
+from polarkv_lib.client.admin import AdminClient
+from polarkv_lib.errors import PolarKVError
 from polarkv_lib.keys import chunk_keys
+from polarkv_lib.tools.bench.core import BenchError
 from polarkv_lib.tools.progress import progress
 from polarkv_lib.tools.replay.trace import Request
-from polarkv_lib.tools.timing import BenchError
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,14 @@ class Cache:
     def __init__(self, url: str, settings: ReplaySettings) -> None:
         self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
         self._token = settings.token
-        self.client = PolarKVClient(url, namespace=settings.namespace, chunk_tokens=1,
-                                    token=settings.token, transport=settings.transport,
-                                    timeout=settings.timeout)
+        self.client = PolarKVClient(
+            url,
+            namespace=settings.namespace,
+            chunk_tokens=1,
+            token=settings.token,
+            transport=settings.transport,
+            timeout=settings.timeout,
+        )
         self._last = (0, 0)
 
     def check_reachable(self) -> None:
@@ -94,13 +98,9 @@ class Cache:
     def tier_hits(self) -> tuple[int, int]:
         memory = disk = 0
         for url in self.urls:
-            request = urllib.request.Request(url + "/v1/stats")
-            if self._token:
-                request.add_header("Authorization", f"Bearer {self._token}")
             try:
-                with urllib.request.urlopen(request, timeout=5.0) as resp:
-                    stats = orjson.loads(resp.read())
-            except OSError as exc:
+                stats = AdminClient(url, self._token or None).stats()
+            except PolarKVError as exc:
                 raise BenchError(f"cannot read {url}/v1/stats: {exc}") from None
             memory += int(stats.get("hits_memory", 0))
             disk += int(stats.get("hits_disk", 0))
@@ -122,14 +122,15 @@ def block_payload(key: str, size: int) -> bytes:
     return (raw * (size // len(raw) + 1))[:size]
 
 
-def replay_one(cache: Cache, request: Request, settings: ReplaySettings, arena: bytearray,
-               index: int) -> tuple[RequestResult, int]:
+def replay_one(
+    cache: Cache, request: Request, settings: ReplaySettings, arena: bytearray, index: int
+) -> tuple[RequestResult, int]:
     """Load the longest cached prefix of one request, check it, store the rest.
     Returns the result and how many loaded blocks held wrong bytes."""
     size = settings.block_bytes
     keys = cache.client.keys(list(request.hash_ids))
     view = memoryview(arena)
-    out = [view[i * size:(i + 1) * size] for i in range(len(keys))]
+    out = [view[i * size : (i + 1) * size] for i in range(len(keys))]
     start = time.perf_counter()
     loaded = cache.client.get_many(keys, out) if keys else []
     load_s = time.perf_counter() - start
@@ -144,12 +145,26 @@ def replay_one(cache: Cache, request: Request, settings: ReplaySettings, arena: 
     stored = cache.client.put_many(rest, [block_payload(k, size) for k in rest]) if rest else 0
     store_s = time.perf_counter() - start
     hit_tokens = min(hits * settings.block_tokens, request.input_length)
-    return RequestResult(len(keys), hits, min(memory, hits), min(disk, hits - min(memory, hits)),
-                         request.input_length, hit_tokens, load_s, store_s, stored, index), wrong
+    return RequestResult(
+        len(keys),
+        hits,
+        min(memory, hits),
+        min(disk, hits - min(memory, hits)),
+        request.input_length,
+        hit_tokens,
+        load_s,
+        store_s,
+        stored,
+        index,
+    ), wrong
 
 
-def replay(requests: Sequence[Request], caches: Sequence[Cache], route: Callable[[int, Request], int],
-           settings: ReplaySettings) -> ReplayResult:
+def replay(
+    requests: Sequence[Request],
+    caches: Sequence[Cache],
+    route: Callable[[int, Request], int],
+    settings: ReplaySettings,
+) -> ReplayResult:
     """Replay `requests` in order; `route(i, request)` picks the cache of request i."""
     longest = max(len(r.hash_ids) for r in requests)
     arena = bytearray(max(1, longest * settings.block_bytes))

@@ -41,13 +41,20 @@ def parse_line(line: bytes, where: str) -> Request:
         raise TraceError(f"{where}: expected a JSON object")
     stamp = obj.get("timestamp")
     if isinstance(stamp, bool) or not isinstance(stamp, int | float) or stamp < 0:
-        raise TraceError(f"{where}: `timestamp` must be a non-negative number of ms, got {stamp!r:.40}")
+        raise TraceError(
+            f"{where}: `timestamp` must be a non-negative number of ms, got {stamp!r:.40}"
+        )
     ids = obj.get("hash_ids")
     if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in ids):
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**63 for i in ids
+    ):
         raise TraceError(f"{where}: `hash_ids` must be a list of non-negative integers")
-    return Request(float(stamp), _field_int(obj, "input_length", where),
-                   _field_int(obj, "output_length", where), tuple(ids))
+    return Request(
+        float(stamp),
+        _field_int(obj, "input_length", where),
+        _field_int(obj, "output_length", where),
+        tuple(ids),
+    )
 
 
 def load_trace(path: str, limit: int | None = None) -> list[Request]:
