@@ -162,6 +162,23 @@ class DiskStore:
             if self.used - (old.file_bytes if old else 0) + need > self.capacity:
                 raise DiskFailure(Failure.DISK_FULL, f"disk.capacity {self.capacity} reached")
             self.used += need  # reserve now; concurrent offloads must not overbook
+        try:
+            self._write(key, region, size, checksum)
+        except BaseException:
+            with self._lock:
+                self.used -= need
+            raise
+        with self._lock:
+            if old is not None:
+                self.used -= old.file_bytes
+            self.files[key] = FileInfo(key, size, checksum, need)
+            self.counters.offloads += 1
+            self.counters.offload_bytes += size
+        return need
+
+    def _write(self, key: str, region: memoryview, size: int, checksum: str) -> None:
+        """Put the payload where `reload` finds it: a verified file, replaced atomically.
+        (The cluster's experiment-only remote disk puts it on another VM instead.)"""
         path = self.path_for(key)
         tmp = f"{path}.{threading.get_ident()}.tmp"
         try:
@@ -177,8 +194,6 @@ class DiskStore:
                 os.close(fd)
             os.replace(tmp, path)
         except OSError as exc:
-            with self._lock:
-                self.used -= need
             try:
                 os.unlink(tmp)
             except OSError:
@@ -187,13 +202,6 @@ class DiskStore:
                 Failure.DISK_FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else Failure.IO_ERROR
             )
             raise DiskFailure(reason, f"{path}: {exc.strerror}") from None
-        with self._lock:
-            if old is not None:
-                self.used -= old.file_bytes
-            self.files[key] = FileInfo(key, size, checksum, need)
-            self.counters.offloads += 1
-            self.counters.offload_bytes += size
-        return need
 
     def reload(self, key: str, region: memoryview, size: int, checksum: str) -> None:
         """Read the key's payload into `region[:size]` and verify it; raise DiskFailure
