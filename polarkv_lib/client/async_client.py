@@ -268,6 +268,8 @@ class AsyncPolarKVClient:
             if len(out) != len(checked):
                 raise ValueError(f"{len(checked)} keys for {len(out)} out buffers")
             targets = [_as_view(b, f"out[{i}]") for i, b in enumerate(out)]
+            if any(t.readonly for t in targets):
+                raise ValueError("out buffers must be writable")
         return await self._guarded(self._load(checked, targets), []) if checked else []
 
     # -- internals ----------------------------------------------------------------------
@@ -288,6 +290,14 @@ class AsyncPolarKVClient:
             self.stats.faults += 1
             log.warning("unexpected client fault became a miss: %r", exc)
             return miss
+
+    def _cut_short(self, exc: BaseException) -> None:
+        """A fault after some windows were done: what they did stands (fewer chunks, not
+        none), and the fault is counted as `_guarded` counts one that leaves nothing."""
+        self.stats.faults += 1
+        if isinstance(exc, TimeoutError | OperationTimeout):
+            self.stats.timeouts += 1
+        log.debug("operation cut short: %s", str(exc) or type(exc).__name__)
 
     def _transport_for(self, node: NodeTarget) -> Transport | None:
         return pick(self._transports, node)
@@ -372,29 +382,43 @@ class AsyncPolarKVClient:
         todo = list(range(len(keys)))
         while todo:
             part = todo[: self.window]
-            reply = await self._control.allocate(
-                [(keys[i], len(views[i])) for i in part], deadline, self._server_wait(deadline)
-            )
-            nodes = _nodes(reply)
-            writes: list[tuple[int, Region]] = []
-            no_space: list[int] = []
-            for i, res in zip(part, reply["results"], strict=True):
-                if res["status"] == "exists":
-                    stored += 1
-                elif res["status"] == "allocated":
-                    writes.append((i, _region(res, nodes)))
-                elif res["status"] == "no_space":
-                    no_space.append(i)
-            committed = await self._write_window(keys, views, writes, reply["lease"], deadline)
-            stored += committed
-            # A full memory tier refuses part of a window. With a disk tier, what this
-            # round committed can now be offloaded to make room, so the refused keys are
-            # asked for again (the manager waits for the room); a round that committed
-            # nothing ends it. Without one, room would come from evicting the least
-            # recently used entries — this prompt's own head: the head stays stored.
-            retry = bool(no_space) and committed > 0 and await self._tiered(deadline)
-            todo = (no_space if retry else []) + todo[len(part) :]
+            try:
+                done, retry = await self._store_window(keys, views, part, deadline)
+            except (PolarKVError, TimeoutError) as exc:
+                if not stored:
+                    raise
+                self._cut_short(exc)
+                break
+            stored += done
+            todo = retry + todo[len(part) :]
         return stored
+
+    async def _store_window(
+        self, keys: list[str], views: list[memoryview], part: list[int], deadline: float
+    ) -> tuple[int, list[int]]:
+        """Store one window: how many of it are stored, and which to ask for again."""
+        reply = await self._control.allocate(
+            [(keys[i], len(views[i])) for i in part], deadline, self._server_wait(deadline)
+        )
+        nodes = _nodes(reply)
+        stored = 0
+        writes: list[tuple[int, Region]] = []
+        no_space: list[int] = []
+        for i, res in zip(part, reply["results"], strict=True):
+            if res["status"] == "exists":
+                stored += 1
+            elif res["status"] == "allocated":
+                writes.append((i, _region(res, nodes)))
+            elif res["status"] == "no_space":
+                no_space.append(i)
+        committed = await self._write_window(keys, views, writes, reply["lease"], deadline)
+        # A full memory tier refuses part of a window. With a disk tier, what this round
+        # committed can now be offloaded to make room, so the refused keys are asked for
+        # again (the manager waits for the room); a round that committed nothing ends it.
+        # Without one, room would come from evicting the least recently used entries —
+        # this prompt's own head: the head stays stored.
+        retry = bool(no_space) and committed > 0 and await self._tiered(deadline)
+        return stored + committed, no_space if retry else []
 
     async def _tiered(self, deadline: float) -> bool:
         now = time.monotonic()
@@ -431,7 +455,13 @@ class AsyncPolarKVClient:
         loaded: list[memoryview] = []
         for start in range(0, len(keys), self.window):
             part = keys[start : start + self.window]
-            reply = await self._control.lookup(part, deadline, wait=self._server_wait(deadline))
+            try:
+                reply = await self._control.lookup(part, deadline, wait=self._server_wait(deadline))
+            except (PolarKVError, TimeoutError) as exc:
+                if not loaded:
+                    raise
+                self._cut_short(exc)  # the windows already read are a valid prefix
+                break
             entries = reply["entries"]
             if not entries:
                 break

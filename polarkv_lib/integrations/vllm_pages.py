@@ -139,10 +139,9 @@ class Saver:
         if op.first_chunk == 0:
             stored = self._client.store_kv(op.tokens, chunks)
         else:
+            # the chunks after the first saved one: one batched store, as store_kv does
             keys = self._client.keys(op.tokens)[op.first_chunk :]
-            stored = sum(
-                self._client.put(key, chunk) for key, chunk in zip(keys, chunks, strict=True)
-            )
+            stored = self._client.put_many(keys, chunks)
         self._stats.saved_chunks += stored
         if stored < len(chunks):
             self._stats.failed_saves += 1

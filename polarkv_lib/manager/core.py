@@ -97,6 +97,9 @@ class Metadata(Draining, Snapshots, Views):
         if lease is not None and lease_id:
             lease.entries.extend(hits)
             lease.disk_hits |= reloading
+            # a lookup may wait longer than one lease for reloads or room: what it has
+            # served so far must stay protected for as long as it goes on
+            lease.expires = max(lease.expires, self.clock() + self.read_lease_ttl)
             return hits, lease_id
         lease_id = new_id()
         self.read_leases[lease_id] = ReadLease(
@@ -104,7 +107,9 @@ class Metadata(Draining, Snapshots, Views):
         )
         return hits, lease_id
 
-    def settle_lookup(self, lease_id: str | None, hits: list[Entry]) -> list[Entry]:
+    def settle_lookup(
+        self, lease_id: str | None, hits: list[Entry], tenant: str = ""
+    ) -> list[Entry]:
         """After waiting for reloads: the prefix that is in memory now. The rest leaves
         the lease and its hits become misses."""
         served = next((i for i, e in enumerate(hits) if not e.in_memory or e.dropped), len(hits))
@@ -117,7 +122,9 @@ class Metadata(Draining, Snapshots, Views):
         self.counters.hits_disk -= from_disk
         self.counters.hits_memory -= len(gone) - from_disk
         self.counters.misses += len(gone)
-        mine = self.tenant(gone[0].tenant)  # a lookup only ever finds its tenant's entries
+        # the lookup's tenant, as `_lookup_pass` counted it (a restored entry's own
+        # tenant field may be the default one: rows do not persist it)
+        mine = self.tenant(tenant)
         mine.hits -= len(gone)
         mine.misses += len(gone)
         if lease is not None:
@@ -158,7 +165,7 @@ class Metadata(Draining, Snapshots, Views):
         """After this pass's reloads landed (or the caller stopped waiting): serve what is
         in memory and decide whether the request is done or goes on."""
         hits = op.pending
-        settled = self.settle_lookup(op.lease, hits)
+        settled = self.settle_lookup(op.lease, hits, op.tenant)
         if op.lease not in self.read_leases:
             op.lease = None
         op.pending = []
@@ -322,7 +329,7 @@ class Metadata(Draining, Snapshots, Views):
         self.counters.no_space -= len(missing)
         self.tenant(op.tenant).alloc_no_space -= len(missing)
         retry, lease = self.allocate([op.items[i] for i in missing], op.lease, op.tenant)
-        op.lease = op.lease or lease
+        op.lease = lease or op.lease  # a lease that expired while waiting was replaced
         for i, res in zip(missing, retry, strict=True):
             op.results[i] = res
 

@@ -135,10 +135,13 @@ def accept_loop(
         try:
             conn, peer = sock.accept()
         except OSError as exc:
-            if exc.errno in RESOURCE_ERRORS and not stopping():
+            if stopping() or exc.errno in (errno.EBADF, errno.EINVAL):
+                return  # closed by stop()
+            if exc.errno in RESOURCE_ERRORS:
                 on_resource_error(exc)
                 time.sleep(ACCEPT_BACKOFF)
-                continue
-            return  # closed by stop(): EBADF / EINVAL
+            # Anything else is the new connection's own error (accept(2): ECONNABORTED,
+            # EPROTO, ENETDOWN, EHOSTUNREACH ...): that one is gone, the listener is not.
+            continue
         host = peer[0] if isinstance(peer, tuple) else str(peer)
         handle(conn, host)

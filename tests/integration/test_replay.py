@@ -255,6 +255,8 @@ def test_time_scale_keeps_the_traces_pace(tmp_path: Path) -> None:
         (["--manager-url", "http://127.0.0.1:9", "--nodes", "2"], "cannot go with --manager-url"),
         (["--set", "slab.nonsense=1"], "slab.nonsense"),
         (["--embedded-roles", "slab"], "--embedded-roles"),
+        (["--manager-url", "127.0.0.1:8170"], "not an http(s) URL"),
+        (["--manager-url", "http://127.0.0.1:9,http://127.0.0.1:9"], "listed twice"),
     ],
 )
 def test_bad_flags_one_line(tmp_path: Path, args: list[str], message: str) -> None:

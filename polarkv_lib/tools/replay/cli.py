@@ -211,6 +211,13 @@ def replay(
         )
     if manager_url is not None and (n_nodes > 1 or settings):
         _fail("--nodes and --set configure embedded services; they cannot go with --manager-url")
+    if manager_url is not None:
+        from polarkv_lib.shards import split_urls
+
+        try:  # one clear line for a URL without a scheme, or one listed twice
+            split_urls(manager_url)
+        except ValueError as exc:
+            _fail(f"--manager-url: {exc}")
     root = ctx.find_root().obj or {}
     overrides = [*root.get("overrides", []), *settings]
     try:  # validate the embedded config here: one clear line naming a bad key
