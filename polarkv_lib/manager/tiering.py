@@ -145,17 +145,19 @@ class Tiering(Tables):
         if size + pending > quota:
             return False
         lru = self.tenant_lru.setdefault(tenant, OrderedDict())
-        while mine.bytes_memory + pending + size > quota:
-            victim = next(
-                (
-                    e
-                    for e in lru.values()
-                    if e.readers == 0 and not e.offloading and e.key not in protected
-                ),
-                None,
-            )
-            if victim is None:
-                return False
+        # One walk from the least recently used end; nothing leaves unless enough can
+        # (as in _make_room): a refusal must not have evicted entries for nothing.
+        excess = mine.bytes_memory + pending + size - quota
+        victims: list[Entry] = []
+        for entry in lru.values():
+            if excess <= 0:
+                break
+            if entry.readers == 0 and not entry.offloading and entry.key not in protected:
+                victims.append(entry)
+                excess -= entry.size  # what leaving memory takes off bytes_memory
+        if excess > 0:
+            return False  # its leased or in-flight entries hold the rest
+        for victim in victims:
             self._let_go(victim.node, victim)
         return True
 

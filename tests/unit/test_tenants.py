@@ -101,3 +101,18 @@ def test_a_quota_evicts_the_tenants_own_oldest_entries_first() -> None:
         [AllocStatus.ALLOCATED] * 2 + [AllocStatus.NO_SPACE] * 2
     )
     assert md.release([lease or ""]).released == 1 and hits
+
+
+def test_a_quota_that_cannot_be_met_evicts_nothing() -> None:
+    md = core()
+    md.quotas = {"a": 3 * CHUNK}
+    free, read1, read2 = (scoped_key("a", key(i)) for i in range(3))
+    assert store(md, "a", [free, read1, read2]) == [AllocStatus.ALLOCATED] * 3
+    _, lease = md.lookup([read1, read2], take_lease=True)  # two of three are being read
+    # two chunks' worth more needs two to leave; only `free` may: refused, and `free`
+    # must still be there (not evicted for a request that failed anyway)
+    results, _ = md.allocate([(scoped_key("a", key(9)), 2 * CHUNK)], tenant="a")
+    assert [r.status for r in results] == [AllocStatus.NO_SPACE]
+    assert md.get(free) is not None and md.counters.evictions == 0
+    assert md.tenant_views()["a"]["bytes_memory"] == 3 * CHUNK
+    assert lease is not None
