@@ -40,7 +40,9 @@ def _register(url: str, incarnation: int) -> None:
             "node_id": NODE,
             "incarnation": incarnation,
             "address": "127.0.0.1:9",
-            "capacity": N * SIZE,
+            # room for both writers' 2N entries under the watermark: a node without a
+            # disk evicts past it, and an evicted entry is gone by design, not lost
+            "capacity": 4 * N * SIZE,
             "transports": ["tcp"],
         },
     )
