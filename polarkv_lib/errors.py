@@ -20,8 +20,10 @@ its errors with `map_exceptions`, so nothing foreign travels further up.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Mapping
 from enum import IntEnum, StrEnum
+from typing import NoReturn
 
 
 class ExitCode(IntEnum):
@@ -30,6 +32,13 @@ class ExitCode(IntEnum):
     OK = 0
     CONFIG = 2  # bad flags, config or input: nothing was started or changed
     RUNTIME = 3  # the work ran and failed: a peer unreachable or refusing, or wrong bytes
+
+
+def fail(prefix: str, message: str, code: ExitCode) -> NoReturn:
+    """The CLI's answer to bad input or a failed run: one line on stderr, named after the
+    command (`polarkv replay: ...`), and a named exit code."""
+    print(f"{prefix}: {message}", file=sys.stderr, flush=True)
+    sys.exit(int(code))
 
 
 class PolarKVError(Exception):

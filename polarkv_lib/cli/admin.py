@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import click
 import orjson
 
+from polarkv_lib import errors
 from polarkv_lib.cli import views
 from polarkv_lib.cli.api import AdminError, Shard, Shards
 from polarkv_lib.config import Config, load_config
@@ -27,8 +28,7 @@ EXIT_RUNTIME = ExitCode.RUNTIME
 
 
 def fail(message: str, code: ExitCode = EXIT_CONFIG) -> NoReturn:
-    click.echo(f"polarkv: {message}", err=True)
-    sys.exit(code)
+    errors.fail("polarkv", message, code)
 
 
 def _config(ctx: click.Context) -> Config:

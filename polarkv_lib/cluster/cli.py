@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from types import FrameType
+from typing import NoReturn
 
 import click
 import orjson
@@ -20,7 +21,7 @@ from polarkv_lib.cluster import netns, procs
 from polarkv_lib.cluster.harness import DEFAULT_ROOT, Cluster
 from polarkv_lib.cluster.netns import ClusterError
 from polarkv_lib.cluster.spec import ClusterSpec
-from polarkv_lib.errors import ExitCode
+from polarkv_lib.errors import ExitCode, fail
 
 _name = click.option(
     "--name",
@@ -36,9 +37,8 @@ _root = click.option(
 )
 
 
-def _fail(message: str, code: ExitCode = ExitCode.RUNTIME) -> None:
-    click.echo(f"polarkv cluster: {message}", err=True)
-    sys.exit(code)
+def _fail(message: str, code: ExitCode = ExitCode.RUNTIME) -> NoReturn:
+    fail("polarkv cluster", message, code)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -30,7 +29,7 @@ import click
 import orjson
 
 from polarkv_lib.config import parse_size
-from polarkv_lib.errors import ExitCode
+from polarkv_lib.errors import ExitCode, fail
 
 MB = 10**6
 GIB = 2**30
@@ -295,8 +294,7 @@ def plan_budget(prices: Prices, bandwidth: float, budget: float) -> list[dict[st
 
 
 def _fail(message: str) -> NoReturn:
-    click.echo(f"polarkv plan: {message}", err=True)
-    sys.exit(ExitCode.CONFIG)
+    fail("polarkv plan", message, ExitCode.CONFIG)
 
 
 def _table(designs: list[dict[str, Any]], currency: str) -> str:

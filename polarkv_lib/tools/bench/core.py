@@ -13,7 +13,6 @@ import dataclasses
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any, NoReturn
 
 import orjson
 
+from polarkv_lib import errors
 from polarkv_lib.config import parse_size
 from polarkv_lib.errors import ExitCode, PolarKVError
 
@@ -183,8 +183,7 @@ def write_json(
 
 
 def fail(name: str, message: str, code: ExitCode) -> NoReturn:
-    print(f"bench {name}: {message}", file=sys.stderr, flush=True)
-    sys.exit(int(code))
+    errors.fail(f"bench {name}", message, code)
 
 
 def guarded(name: str, work: Callable[[], bool]) -> None:

@@ -9,7 +9,6 @@ the scenarios compare local caches with one shared pool.
 from __future__ import annotations
 
 import contextlib
-import sys
 import tempfile
 import zlib
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 import orjson
 
-from polarkv_lib.errors import ConfigError, ExitCode
+from polarkv_lib.errors import ConfigError, ExitCode, fail
 from polarkv_lib.tools.replay.trace import Request, TraceError
 
 if TYPE_CHECKING:  # the client and its dependencies load only when a replay runs
@@ -26,8 +25,7 @@ if TYPE_CHECKING:  # the client and its dependencies load only when a replay run
 
 
 def _fail(message: str, code: ExitCode = ExitCode.CONFIG) -> NoReturn:
-    click.echo(f"polarkv replay: {message}", err=True)
-    sys.exit(code)
+    fail("polarkv replay", message, code)
 
 
 def _number(value: str, what: str, kind: type[int] | type[float], minimum: float) -> Any:
