@@ -9,6 +9,7 @@ so an operator gets one line naming the bad key instead of a half-started proces
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import tomllib
@@ -18,8 +19,8 @@ from fractions import Fraction
 from typing import Any
 
 from polarkv_lib.errors import ConfigError
-from polarkv_lib.manager.tenants import parse_quotas, parse_tenants
 from polarkv_lib.shards import Shard, split_urls
+from polarkv_lib.tenancy import DEFAULT, Tenants, parse_quotas, parse_tenants
 
 _SIZE_UNITS = {
     "": 1,
@@ -185,6 +186,12 @@ def _opt(kind: str, default: Any, help: str) -> Any:
 class ManagerConfig:
     listen: str = _opt("address", "127.0.0.1:8170", "manager HTTP address")
     shard: str = _opt("shard", "0/1", "this manager owns key range I of N (I/N; 0/1: every key)")
+    shard_urls: str = _opt(
+        "urls",
+        "",
+        "every shard's URL in shard order, as browsers reach them: the status page reads "
+        "these and only these (empty: this manager alone)",
+    )
     metadata_url: str = _opt(
         "str", "sqlite:///./polarkv-data/meta.db", "write-behind metadata store"
     )
@@ -204,6 +211,16 @@ class ManagerConfig:
     max_object_size: int = _opt("size", 256 * 1024**2, "largest value one key may hold")
     max_batch: int = _opt("int", 4096, "most keys in one control request")
     max_body_size: int = _opt("size", 4 * 1024**2, "largest control request body")
+    stream_window: int = _opt(
+        "size", 64 * 1024**2, "most memory one stream takes per window of a node (reads, writes)"
+    )
+    header_timeout: float = _opt(
+        "duration", 10.0, "a request's line and headers must arrive whole within this"
+    )
+    body_timeout: float = _opt("duration", 30.0, "a request's body must arrive whole within this")
+    idle_timeout: float = _opt(
+        "duration", 60.0, "a connection with no request for this long is closed"
+    )
 
 
 @dataclass(frozen=True)
@@ -230,6 +247,12 @@ class SlabConfig:
         "duration", 60.0, "a data connection silent this long between requests is closed"
     )
     frame_timeout: float = _opt("duration", 5.0, "a request header must arrive whole within this")
+    send_timeout: float = _opt(
+        "duration", 5.0, "a client that takes nothing of a READ's payload this long is cut off"
+    )
+    max_bytes_in_flight_per_peer: int = _opt(
+        "size", 256 * 1024**2, "most READ bytes one client host may have not yet taken"
+    )
     rdma_device: str = _opt(
         "str", "", "RDMA device for the rdma transport (empty: the first with an active port)"
     )
@@ -286,6 +309,22 @@ class SecurityConfig:
     tenant_quotas: tuple[str, ...] = _opt(
         "list", (), "name:size: memory a tenant's entries may take (none: no cap)"
     )
+
+    @functools.cached_property
+    def tenancy(self) -> Tenants:
+        """The three above, parsed once: the middleware and the manager's core take it.
+        Raises ConfigError naming the key (validate() asks first, at start)."""
+        try:
+            by_token = parse_tenants(self.tenants)
+        except ValueError as exc:
+            raise ConfigError(f"security.tenants: {exc}") from None
+        try:
+            quotas = parse_quotas(self.tenant_quotas, by_token.values(), parse_size)
+        except ValueError as exc:
+            raise ConfigError(f"security.tenant_quotas: {exc}") from None
+        if self.token:
+            by_token.setdefault(self.token, DEFAULT)
+        return Tenants(by_token, quotas)
 
 
 @dataclass(frozen=True)
@@ -398,6 +437,24 @@ def validate(config: Config) -> None:
     need(m.max_object_size > 0, "manager.max_object_size", "must be > 0")
     need(m.max_batch >= 1, "manager.max_batch", "must be >= 1")
     need(m.max_body_size >= 1024, "manager.max_body_size", "must be >= 1KiB")
+    need(m.stream_window > 0, "manager.stream_window", "must be > 0")
+    for key, value in (
+        ("header_timeout", m.header_timeout),
+        ("body_timeout", m.body_timeout),
+        ("idle_timeout", m.idle_timeout),
+    ):
+        need(value > 0, f"manager.{key}", "must be > 0")
+    if m.shard_urls:
+        try:
+            listed = len(split_urls(m.shard_urls))
+        except ValueError as exc:
+            raise ConfigError(f"manager.shard_urls: {exc}") from None
+        count = Shard.parse(m.shard).count
+        need(
+            listed == count,
+            "manager.shard_urls",
+            f"lists {listed} URL(s) for {count} shard(s) (manager.shard): one per shard, in order",
+        )
     need(
         m.metadata_url.startswith(("sqlite://", "postgresql://", "postgres://")),
         "manager.metadata_url",
@@ -414,6 +471,8 @@ def validate(config: Config) -> None:
     need(s.max_connections_per_peer >= 1, "slab.max_connections_per_peer", "must be >= 1")
     need(s.idle_timeout > 0, "slab.idle_timeout", "must be > 0")
     need(s.frame_timeout > 0, "slab.frame_timeout", "must be > 0")
+    need(s.send_timeout > 0, "slab.send_timeout", "must be > 0")
+    need(s.max_bytes_in_flight_per_peer >= 1, "slab.max_bytes_in_flight_per_peer", "must be >= 1")
     need(s.rdma_port >= 1, "slab.rdma_port", "must be >= 1")
     need(s.rdma_gid_index >= -1, "slab.rdma_gid_index", "must be >= -1 (-1: automatic)")
     for key, urls in (("slab.manager_url", s.manager_url), ("client.manager_url", c.manager_url)):
@@ -446,24 +505,17 @@ def validate(config: Config) -> None:
             parse_address(config.disk.remote)
         except ValueError as exc:
             raise ConfigError(f"disk.remote: {exc}") from None
-    try:
-        tenants = parse_tenants(config.security.tenants)
-    except ValueError as exc:
-        raise ConfigError(f"security.tenants: {exc}") from None
+    tenants = config.security.tenancy.by_token
     need(
-        not tenants or bool(config.security.admin_token),
+        not config.security.tenancy.enabled or bool(config.security.admin_token),
         "security.tenants",
         "tenants need security.admin_token (nodes and the admin must not share a tenant's token)",
     )
     need(
-        config.security.admin_token not in tenants,
+        not config.security.admin_token or config.security.admin_token not in tenants,
         "security.tenants",
         "a tenant's token is the admin token",
     )
-    try:
-        parse_quotas(config.security.tenant_quotas, tenants.values(), parse_size)
-    except ValueError as exc:
-        raise ConfigError(f"security.tenant_quotas: {exc}") from None
     need(c.chunk_tokens >= 1, "client.chunk_tokens", "must be >= 1")
     need(
         c.transport in ("auto", "tcp", "shm", "rdma"), "client.transport", "auto, tcp, shm or rdma"

@@ -20,10 +20,32 @@ from typing import Any
 KEY_LENGTH = 32
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
 _U64_TAG = b"\x08"
+# A tenant's name (security.tenants): also part of its entries' identities and file names.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_IDENT_RE = re.compile(r"[0-9a-f]{32}(?:\.[A-Za-z0-9][A-Za-z0-9._-]{0,63})?")
 
 
 def is_valid_key(key: object) -> bool:
     return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
+
+
+# An entry is its tenant's: two tenants storing the same key have two entries. Its
+# identity is the key for the default tenant ("") and `key.tenant` for the others, one
+# string (as cheap a dict key as the key itself) that the manager files it under and a
+# disk role names its file by; the key is always its first 32 characters.
+
+
+def ident(tenant: str, key: str) -> str:
+    return f"{key}.{tenant}" if tenant else key
+
+
+def split_ident(value: str) -> tuple[str, str]:
+    """(tenant, key) of an identity."""
+    return value[KEY_LENGTH + 1 :], value[:KEY_LENGTH]
+
+
+def is_valid_ident(value: object) -> bool:
+    return isinstance(value, str) and _IDENT_RE.fullmatch(value) is not None
 
 
 def check_key(key: object) -> str:

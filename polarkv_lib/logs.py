@@ -32,6 +32,7 @@ class Events:
     SLAB_REGISTERED = "slab registered"
     SLAB_FORGOTTEN = "manager forgot this node; registering again"
     REGISTRATION_REFUSED = "registration refused"
+    SLAB_MISCONFIGURED = "slab stopping: its configuration is wrong"
     NO_GRANT_KEY = "manager sent no grant key; set security.grant_key on both sides"
     GRANT_KEY_CHANGED = "manager has a new grant key; grants are checked with it from now on"
     MANAGER_UNREACHABLE = "manager unreachable"

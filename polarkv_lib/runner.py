@@ -104,6 +104,16 @@ async def _bounded(step: Callable[[], Awaitable[None]], name: str, bound: float)
         log.error(Events.SHUTDOWN_STEP_SLOW, step=name, bound=bound)
 
 
+async def _any(*events: asyncio.Event) -> None:
+    """Wait until one of `events` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 def _write_ready(path: str, ready: dict[str, object]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "wb") as fh:
@@ -157,6 +167,7 @@ async def run(
                 config = dataclasses.replace(
                     config, slab=dataclasses.replace(config.slab, manager_url=manager.url)
                 )
+        slab = None
         if slab_sock is not None:
             slab = SlabService(config, disk=store)
             stack.push_async_callback(_bounded, slab.stop, "slab", SLAB_STOP_BOUND)
@@ -164,9 +175,11 @@ async def run(
             ready["slab_address"] = slab.address
             ready["node_id"] = slab.node_id
             if manager_sock is not None:  # embedded: don't report ready before the node is usable
-                await asyncio.wait_for(slab.registered.wait(), 10.0)
+                await asyncio.wait_for(_any(slab.registered, slab.failed), 10.0)
         if ready_file:
             _write_ready(ready_file, ready)
         log.info(Events.READY, **ready)
-        await stop.wait()
+        await _any(stop, *([slab.failed] if slab else []))
         log.info(Events.SHUTTING_DOWN)
+        if slab is not None and slab.failure is not None:
+            raise slab.failure  # the roles stop as it leaves; polarkv.py: one line, exit 2

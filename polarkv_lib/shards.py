@@ -14,7 +14,7 @@ bytes, and the disk budget is split the same way. See docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 SPACE = 65536  # the first four hex digits of a key
@@ -86,6 +86,24 @@ def shard_of(key: str, count: int) -> int:
     if index + 1 < count and (index + 1) * SPACE // count <= k:
         index += 1
     return index
+
+
+class ShardOrderError(ValueError):
+    """A manager URL list out of shard order (or naming one shard of several as the only
+    manager): a configuration mistake, so raised, never turned into a miss."""
+
+
+def misplaced(url: str, place: Shard, health: Mapping[str, object]) -> ShardOrderError | None:
+    """The error for a URL whose manager says, in its /healthz, that it is another shard
+    than its place in the URL list makes it; None if it is that shard (or does not say)."""
+    said = health.get("shard")
+    if not isinstance(said, str) or said == str(place):
+        return None
+    where = "the only manager URL" if place.count == 1 else f"shard {place} in the URL list"
+    return ShardOrderError(
+        f"{url} is {where} (keys {place.describe()}) but says it is shard {said} "
+        f"(keys {health.get('key_range', '?')}): list every manager shard's URL, in shard order"
+    )
 
 
 def split_urls(value: str | Sequence[str]) -> tuple[str, ...]:

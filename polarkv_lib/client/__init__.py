@@ -7,6 +7,7 @@ from polarkv_lib.client.admin import AdminClient
 from polarkv_lib.client.async_client import AsyncPolarKVClient, CallerError, ClientStats, checksum
 from polarkv_lib.client.sync_client import PolarKVClient
 from polarkv_lib.keys import chunk_keys
+from polarkv_lib.shards import ShardOrderError
 
 __all__ = [
     "AdminClient",
@@ -14,6 +15,7 @@ __all__ = [
     "CallerError",
     "ClientStats",
     "PolarKVClient",
+    "ShardOrderError",
     "checksum",
     "chunk_keys",
 ]

@@ -1,6 +1,8 @@
 """AsyncPolarKVClient: store_kv / load_kv / put / get over the control API and a transport.
 
-Contract (DESIGN §7-8): caller mistakes raise ValueError/TypeError before any I/O;
+Contract (DESIGN §7-8): caller mistakes raise ValueError/TypeError before any I/O
+(and a `manager_url` out of shard order raises ShardOrderError, a ValueError, from the
+first call that reaches the misplaced manager: only it can say which shard it is);
 every infrastructure fault (manager or slab down, timeout, refused grant, checksum
 mismatch, lost lease) becomes a miss: fewer chunks stored or loaded, nothing raised.
 Every operation is bounded by `timeout` seconds: control requests carry the remaining
@@ -29,7 +31,7 @@ from polarkv_lib.client.sharded import control_for
 from polarkv_lib.config import ClientConfig, Config
 from polarkv_lib.errors import NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.keys import check_key, chunk_keys
-from polarkv_lib.shards import split_urls
+from polarkv_lib.shards import ShardOrderError, split_urls
 from polarkv_lib.transport import PREFERENCES, open_transports, pick
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
 from polarkv_lib.wire.control import MAX_WAIT
@@ -40,6 +42,7 @@ log = logging.getLogger("polarkv.client")
 T = TypeVar("T")
 TRANSPORTS = PREFERENCES  # auto, tcp, shm, rdma
 TIERED_TTL = 30.0  # seconds a "has a disk tier" answer is reused
+MIN_STREAM_WAIT = 0.01  # seconds: a stream waiting for room less than this gives up
 BufferLike = bytes | bytearray | memoryview
 
 
@@ -185,6 +188,14 @@ class AsyncPolarKVClient:
 
     # -- public API ---------------------------------------------------------------------
 
+    async def check_shards(self) -> None:
+        """Ask every manager in `manager_url` that answers which shard it is; raise
+        ShardOrderError if the list is out of shard order. Every cache call checks this
+        at its first contact with a shard anyway; this is for callers that want the
+        mistake at start-up (the engine adapters). Unreachable managers raise nothing."""
+        self._check_open()
+        await self._control.check_shards(time.monotonic() + self.timeout)
+
     def keys(self, tokens: Any) -> list[str]:
         return chunk_keys(tokens, self.namespace, self.chunk_tokens)
 
@@ -278,7 +289,7 @@ class AsyncPolarKVClient:
         """Run one operation; any infrastructure fault is a miss."""
         try:
             return await asyncio.wait_for(op, self.timeout + 1.0)  # backstop over the deadlines
-        except CallerError:
+        except (CallerError, ShardOrderError):  # the caller's (or its config's) to fix
             raise
         except (PolarKVError, TimeoutError) as exc:
             self.stats.faults += 1
@@ -377,48 +388,83 @@ class AsyncPolarKVClient:
         return round(min(MAX_WAIT, max(0.0, (deadline - time.monotonic()) * 0.5)), 3)
 
     async def _store(self, keys: list[str], views: list[memoryview]) -> int:
+        """Store window by window under one write lease; return the stored prefix: the
+        chunks a load can get back (a chunk after a gap would never be read)."""
         deadline = time.monotonic() + self.timeout
-        stored = 0
+        stored = [False] * len(keys)
         todo = list(range(len(keys)))
-        while todo:
-            part = todo[: self.window]
-            try:
-                done, retry = await self._store_window(keys, views, part, deadline)
-            except (PolarKVError, TimeoutError) as exc:
-                if not stored:
-                    raise
-                self._cut_short(exc)
-                break
-            stored += done
-            todo = retry + todo[len(part) :]
-        return stored
+        lease: str | None = None
+        streamed = False  # a window said more follow: the lease ends with a release
+        try:
+            while todo:
+                part, rest = todo[: self.window], todo[self.window :]
+                try:
+                    done, retry, lease, kept = await self._store_window(
+                        keys, views, part, deadline, lease, bool(rest)
+                    )
+                except (PolarKVError, TimeoutError) as exc:
+                    if not any(stored):
+                        raise
+                    self._cut_short(exc)
+                    break
+                streamed = streamed or kept
+                for i in done:
+                    stored[i] = True
+                todo = retry + rest
+        finally:
+            if streamed and lease:
+                self._background(
+                    self._control.release([lease], time.monotonic() + self.timeout), "release"
+                )
+        return next((i for i, ok in enumerate(stored) if not ok), len(stored))
 
     async def _store_window(
-        self, keys: list[str], views: list[memoryview], part: list[int], deadline: float
-    ) -> tuple[int, list[int]]:
-        """Store one window: how many of it are stored, and which to ask for again."""
+        self,
+        keys: list[str],
+        views: list[memoryview],
+        part: list[int],
+        deadline: float,
+        lease: str | None,
+        more: bool,
+    ) -> tuple[list[int], list[int], str | None, bool]:
+        """Store one window: which of it are stored, which to ask for again, the store's
+        write lease (continued from its earlier windows), and whether this window asked
+        the manager to keep that lease open for more."""
         reply = await self._control.allocate(
-            [(keys[i], len(views[i])) for i in part], deadline, self._server_wait(deadline)
+            [(keys[i], len(views[i])) for i in part],
+            deadline,
+            self._server_wait(deadline),
+            lease,
+            more,
         )
+        lease = reply["lease"] or lease
         nodes = _nodes(reply)
-        stored = 0
+        stored: list[int] = []
         writes: list[tuple[int, Region]] = []
+        later: list[int] = []  # past this request's share of memory: ask again at once
         no_space: list[int] = []
         for i, res in zip(part, reply["results"], strict=True):
-            if res["status"] == "exists":
-                stored += 1
-            elif res["status"] == "allocated":
+            status = res["status"]
+            if status == "exists":
+                stored.append(i)
+            elif status == "allocated":
                 writes.append((i, _region(res, nodes)))
-            elif res["status"] == "no_space":
+            elif status == "later":
+                later.append(i)
+            elif status == "no_space":
                 no_space.append(i)
-        committed = await self._write_window(keys, views, writes, reply["lease"], deadline)
-        # A full memory tier refuses part of a window. With a disk tier, what this round
-        # committed can now be offloaded to make room, so the refused keys are asked for
-        # again (the manager waits for the room); a round that committed nothing ends it.
-        # Without one, room would come from evicting the least recently used entries —
-        # this prompt's own head: the head stays stored.
-        retry = bool(no_space) and committed > 0 and await self._tiered(deadline)
-        return stored + committed, no_space if retry else []
+        # Refused keys are asked for again only with a disk tier: what this round
+        # committed can be offloaded to make room (the manager waits for it). Without
+        # one, room would come from evicting this prompt's own head: it stays stored.
+        # A round that committed nothing ends it (the manager waited what it could).
+        retry_refused = bool(no_space) and bool(writes) and await self._tiered(deadline)
+        go_on = more or bool(later) or retry_refused
+        committed = await self._write_window(keys, views, writes, reply["lease"], deadline, go_on)
+        stored += committed
+        retry = later + (no_space if retry_refused and committed else [])
+        if not committed and not stored:
+            retry = []  # nothing moved this round: what is left would not move either
+        return stored, sorted(retry), lease, more or go_on
 
     async def _tiered(self, deadline: float) -> bool:
         now = time.monotonic()
@@ -434,52 +480,62 @@ class AsyncPolarKVClient:
         writes: list[tuple[int, Region]],
         lease: str | None,
         deadline: float,
-    ) -> int:
-        """Write the allocated regions, commit what arrived whole; how many committed."""
+        more: bool,
+    ) -> list[int]:
+        """Write the allocated regions, commit what arrived whole; which committed."""
         if not writes or lease is None:
-            return 0
+            return []
         sums = await self._transfer(True, [(r, views[i]) for i, r in writes], deadline)
-        ok = [(keys[i], s) for (i, _), s in zip(writes, sums, strict=True) if s is not None]
+        ok = [(i, s) for (i, _), s in zip(writes, sums, strict=True) if s is not None]
         failed = [keys[i] for (i, _), s in zip(writes, sums, strict=True) if s is None]
         if failed:
             self._background(
                 self._control.abort(lease, failed, time.monotonic() + self.timeout), "abort"
             )
         if not ok:
-            return 0
-        results = await self._control.commit(lease, ok, deadline)
-        return sum(1 for s in results.values() if s == "committed")
+            return []
+        results = await self._control.commit(lease, [(keys[i], s) for i, s in ok], deadline, more)
+        return [i for i, _ in ok if results.get(keys[i]) == "committed"]
 
     async def _load(self, keys: list[str], targets: list[memoryview] | None) -> list[memoryview]:
+        """Load the longest stored prefix as one stream: each lookup names the stream's
+        lease (`continue`), which lets go of the window just read and serves the next,
+        reloaded from disk meanwhile. Memory is the staging area, not the limit."""
         deadline = time.monotonic() + self.timeout
         loaded: list[memoryview] = []
-        for start in range(0, len(keys), self.window):
-            part = keys[start : start + self.window]
-            try:
-                reply = await self._control.lookup(part, deadline, wait=self._server_wait(deadline))
-            except (PolarKVError, TimeoutError) as exc:
-                if not loaded:
-                    raise
-                self._cut_short(exc)  # the windows already read are a valid prefix
-                break
-            entries = reply["entries"]
-            if not entries:
-                break
-            corrupt: list[str] = []
-            try:
-                good, corrupt = await self._read_window(
-                    start, entries, _nodes(reply), targets, deadline
-                )
-            finally:
+        lease: str | None = None
+        corrupt: list[str] = []
+        try:
+            while len(loaded) < len(keys):
+                start = len(loaded)
+                part = keys[start : start + self.window]
+                wait = self._server_wait(deadline)
+                try:
+                    reply = await self._control.lookup(part, deadline, wait=wait, resume=lease)
+                except (PolarKVError, TimeoutError) as exc:
+                    if not loaded:
+                        raise
+                    self._cut_short(exc)  # the windows already read are a valid prefix
+                    break
+                lease = reply["lease"] or None
+                entries = reply["entries"]
+                if entries:
+                    good, corrupt = await self._read_window(
+                        start, entries, _nodes(reply), targets, deadline
+                    )
+                    loaded.extend(good)
+                    if len(good) < len(entries):
+                        break  # a transfer failed, or bytes were wrong: the prefix ends
+                if len(entries) == len(part):
+                    continue
+                if not reply.get("more") or (not entries and wait < MIN_STREAM_WAIT):
+                    break  # a miss; or room did not come, and no time is left to wait
+        finally:
+            if lease:
                 self._background(
-                    self._control.release(
-                        [reply["lease"]], time.monotonic() + self.timeout, corrupt
-                    ),
+                    self._control.release([lease], time.monotonic() + self.timeout, corrupt),
                     "release",
                 )
-            loaded.extend(good)
-            if len(good) < len(part):
-                break
         return loaded
 
     async def _read_window(

@@ -9,7 +9,10 @@ Replies are merged in key order. A lookup's hits are the longest prefix of the w
 that every shard confirms: a key's shard must have hit it and every key before it in
 that shard. A shard that cannot answer (down, refusing, past the deadline) simply hits
 nothing, so the prefix stops at its first key and the other shards' keys before that
-still load (DESIGN §11). The leases of several shards travel as one composite lease
+still load (DESIGN §11). Each shard's /healthz is asked at first contact which shard it
+is; a URL out of place makes every call raise ShardOrderError (a configuration mistake,
+not a fault: with the URLs misordered every shard would refuse every key as
+wrong_shard, and the client would miss everything in silence). The leases of several shards travel as one composite lease
 string (`0=LEASE,1=LEASE`); a shard whose hits lie past the prefix has its lease
 released at once rather than holding its entries for a lease TTL.
 """
@@ -24,7 +27,7 @@ from typing import Any, TypeVar
 
 from polarkv_lib.client.control import ControlClient
 from polarkv_lib.errors import PolarKVError
-from polarkv_lib.shards import group_by_shard, split_urls
+from polarkv_lib.shards import Shard, group_by_shard, split_urls
 
 log = logging.getLogger("polarkv.client")
 T = TypeVar("T")
@@ -45,8 +48,8 @@ def control_for(
 ) -> ControlClient | ShardedControl:
     """A ControlClient for one manager URL, a ShardedControl for several (shard order)."""
     urls = split_urls(manager_url)
-    if len(urls) == 1:
-        return ControlClient(urls[0], token, breaker_interval)
+    if len(urls) == 1:  # checked at first contact to be the only shard (0/1)
+        return ControlClient(urls[0], token, breaker_interval, shard=Shard(0, 1))
     return ShardedControl(urls, token, breaker_interval)
 
 
@@ -67,10 +70,23 @@ class ShardedControl:
     def __init__(
         self, urls: Sequence[str], token: str | None, breaker_interval: float = 1.0
     ) -> None:
-        self.shards = [ControlClient(url, token, breaker_interval) for url in urls]
+        self.shards = [
+            ControlClient(url, token, breaker_interval, shard=Shard(i, len(urls)))
+            for i, url in enumerate(urls)
+        ]
         self.base = ",".join(c.base for c in self.shards)
         self.shard_faults = 0  # shard calls that became misses
         self._pending: set[asyncio.Task[Any]] = set()
+
+    async def check_shards(self, deadline: float) -> None:
+        """Ask every shard not yet heard from which shard it is (ControlClient.check_shard):
+        ShardOrderError if one is out of place; one that does not answer is checked later."""
+        found = await asyncio.gather(
+            *(shard.check_shards(deadline) for shard in self.shards), return_exceptions=True
+        )
+        for error in found:  # the first URL out of place, in list order
+            if isinstance(error, BaseException):
+                raise error
 
     async def close(self) -> None:
         if self._pending:
@@ -111,13 +127,19 @@ class ShardedControl:
         task.add_done_callback(self._pending.discard)
 
     async def lookup(
-        self, keys: Sequence[str], deadline: float, wait: float = 0.0, lease: bool = True
+        self,
+        keys: Sequence[str],
+        deadline: float,
+        wait: float = 0.0,
+        lease: bool = True,
+        resume: str | None = None,
     ) -> dict[str, Any]:
         groups = self._by_shard(keys)
         until = _shard_deadline(deadline)
+        before = _split(resume)
         replies = await self._each(
             {
-                i: self.shards[i].lookup([keys[j] for j in pos], until, wait, lease)
+                i: self.shards[i].lookup([keys[j] for j in pos], until, wait, lease, before.get(i))
                 for i, pos in groups.items()
             }
         )
@@ -133,26 +155,47 @@ class ShardedControl:
             hits += 1
             if lease:
                 entries.append(reply["entries"][n])
+        # The stream goes on if the shard of the first key not served stopped right there
+        # at the end of a window (not at a miss).
+        more = False
+        if hits < len(keys):
+            i, n = rank[hits]
+            stop = replies.get(i)
+            more = stop is not None and n == int(stop["hits"]) and bool(stop.get("more"))
         used = {rank[j][0] for j in range(hits)}
         leases = {i: r["lease"] for i, r in replies.items() if r.get("lease")}
-        self._release_soon({i: v for i, v in leases.items() if i not in used})
+        # Shards whose hits lie past the prefix let go at once, unless the stream goes
+        # on (its next lookup takes them up again); so do shards of the stream's last
+        # window that this one did not ask (what they served was read).
+        keep = set(leases) if more else used
+        self._release_soon({i: v for i, v in leases.items() if i not in keep})
+        self._release_soon({i: v for i, v in before.items() if i not in groups})
         for i in used:
             nodes.update(replies[i].get("nodes", {}))
         return {
             "hits": hits,
             "entries": entries,
             "nodes": nodes,
-            "lease": _join({i: v for i, v in leases.items() if i in used}),
+            "lease": _join({i: v for i, v in leases.items() if i in keep}),
+            "more": more,
         }
 
     async def allocate(
-        self, items: Sequence[tuple[str, int]], deadline: float, wait: float = 0.0
+        self,
+        items: Sequence[tuple[str, int]],
+        deadline: float,
+        wait: float = 0.0,
+        resume: str | None = None,
+        more: bool = False,
     ) -> dict[str, Any]:
         groups = self._by_shard([key for key, _ in items])
         until = _shard_deadline(deadline)
+        leases = _split(resume)
         replies = await self._each(
             {
-                i: self.shards[i].allocate([items[j] for j in pos], until, wait)
+                i: self.shards[i].allocate(
+                    [items[j] for j in pos], until, wait, leases.get(i), more
+                )
                 for i, pos in groups.items()
             }
         )
@@ -162,20 +205,21 @@ class ShardedControl:
             for j, result in zip(groups[i], reply["results"], strict=True):
                 results[j] = result
             nodes.update(reply.get("nodes", {}))
-        return {
-            "results": results,
-            "nodes": nodes,
-            "lease": _join({i: r["lease"] for i, r in replies.items() if r.get("lease")}),
-        }
+            if reply.get("lease"):
+                leases[i] = reply["lease"]
+            else:
+                leases.pop(i, None)
+        # a store's lease on shards this window did not touch goes on with it
+        return {"results": results, "nodes": nodes, "lease": _join(leases)}
 
     async def commit(
-        self, lease: str, items: Sequence[tuple[str, str]], deadline: float
+        self, lease: str, items: Sequence[tuple[str, str]], deadline: float, more: bool = False
     ) -> dict[str, str]:
         leases = _split(lease)
         groups = self._by_shard([key for key, _ in items])
         replies = await self._each(
             {
-                i: self.shards[i].commit(leases[i], [items[j] for j in pos], deadline)
+                i: self.shards[i].commit(leases[i], [items[j] for j in pos], deadline, more)
                 for i, pos in groups.items()
                 if i in leases
             }

@@ -96,6 +96,11 @@ class PolarKVClient:
     def keys(self, tokens: Any) -> list[str]:
         return self._client.keys(tokens)
 
+    def check_shards(self) -> None:
+        """AsyncPolarKVClient.check_shards: ShardOrderError if `manager_url` is out of
+        shard order (as far as the managers that answer can tell)."""
+        self._run(self._client.check_shards(), None)
+
     def store_kv(self, tokens: Any, chunks: Sequence[BufferLike]) -> int:
         return self._run(self._client.store_kv(tokens, chunks), 0)
 

@@ -38,7 +38,7 @@ from polarkv_lib.node.disk import DiskCounters, DiskStore, FileInfo
 from polarkv_lib.transport.sockio import recv_exact, send_all
 
 MAGIC = b"PKRD"
-_REQ = struct.Struct("<4sB16sQQ")
+_REQ = struct.Struct("<4sB100sQQ")  # the entry's identity (keys.ident), NUL padded
 _RESP = struct.Struct("<4sBQ")
 _U64 = struct.Struct("<Q")
 OFFLOAD, RELOAD, DELETE, SCAN = 1, 2, 3, 4
@@ -88,7 +88,7 @@ class RemoteDiskStore(DiskStore):
                 self._local.sock = sock
                 with self._lock:
                     self._socks.add(sock)
-            head = _REQ.pack(MAGIC, op, bytes.fromhex(key), size, int(checksum, 16))
+            head = _REQ.pack(MAGIC, op, key.encode(), size, int(checksum, 16))
             send_all(sock, (head,) if payload is None else (head, payload), deadline)
             magic, status, length = _RESP.unpack(_recv(sock, _RESP.size, deadline))
             if magic != MAGIC:
@@ -168,7 +168,7 @@ class _Handler(socketserver.BaseRequestHandler):
             magic, op, raw_key, size, checksum_int = _REQ.unpack(head)
             if magic != MAGIC:
                 return
-            key, checksum = raw_key.hex(), f"{checksum_int:016x}"
+            key, checksum = raw_key.rstrip(b"\0").decode(errors="replace"), f"{checksum_int:016x}"
             try:
                 if op == OFFLOAD:
                     data = _recv(sock, size, deadline)

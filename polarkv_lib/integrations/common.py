@@ -4,7 +4,8 @@ namespace that keeps models, dtypes, layouts and ranks apart, and the client.
 Settings (DESIGN §9): `manager_url` (required), `token`, `transport`, `timeout`,
 `chunk_tokens`, `namespace` (a prefix for the derived one), `connections`. A missing or
 unreachable PolarKV never stops an engine: adapters built with bad settings raise at
-construction (a configuration mistake), and once running every fault is a miss.
+construction (a configuration mistake: shard URLs out of order too, as far as the
+managers that answer then can tell), and once running every fault is a miss.
 """
 
 from __future__ import annotations
@@ -81,7 +82,13 @@ def make_client(settings: AdapterSettings, ns: str, chunk_tokens: int) -> PolarK
         timeout=settings.timeout,
         connections=settings.connections,
     )
-    return PolarKVClient.from_config(config, namespace=ns, token=settings.token)
+    client = PolarKVClient.from_config(config, namespace=ns, token=settings.token)
+    try:  # shard URLs out of order are a configuration mistake: the engine says so at start
+        client.check_shards()
+    except ValueError:
+        client.close()
+        raise
+    return client
 
 
 def call_or_miss(log: logging.Logger, what: str, call: Callable[[], T], miss: T) -> T:

@@ -11,6 +11,7 @@ manager's entries in slices.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import secrets
 import socket
@@ -20,30 +21,32 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from polarkv_lib.config import Config, parse_size
+from polarkv_lib.config import Config
 from polarkv_lib.errors import BadRequest
-from polarkv_lib.keys import is_valid_key
+from polarkv_lib.keys import ident, is_valid_key
 from polarkv_lib.manager.auth import TENANT, Auth, middleware
+from polarkv_lib.manager.browser import BrowserGuard
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.metrics import ManagerMetrics
-from polarkv_lib.manager.model import AllocStatus, Entry, Node
+from polarkv_lib.manager.model import AllocStatus, Entry, Node, Step, Wait
 from polarkv_lib.manager.node_routes import NodeRoutes
 from polarkv_lib.manager.openapi import openapi_spec
 from polarkv_lib.manager.responses import error_response, json_response
+from polarkv_lib.manager.server import TimedRunner, Timeouts
 from polarkv_lib.manager.shard import ShardGuard
 from polarkv_lib.manager.store import MetadataStore, open_store
-from polarkv_lib.manager.tenants import DEFAULT, Tenants, label, parse_quotas, scoped_key
 from polarkv_lib.manager.ui import OperatorRoutes
 from polarkv_lib.manager.verify import TIMEOUT as VERIFY_TIMEOUT
 from polarkv_lib.manager.verify import Region, bytes_are_bad
 from polarkv_lib.manager.writebehind import WriteBehind
-from polarkv_lib.shards import Shard
+from polarkv_lib.shards import Shard, split_urls
+from polarkv_lib.tenancy import DEFAULT, label
 from polarkv_lib.tools.progress import progress
 from polarkv_lib.wire import control
-from polarkv_lib.wire.grants import Grant, Op, sign
+from polarkv_lib.wire.grants import Grant, Op, epoch_key, sign
 
 log = structlog.get_logger("polarkv.manager")
 
@@ -60,6 +63,8 @@ class ManagerService(NodeRoutes):
             memory_high=m.memory_high_watermark,
             memory_low=m.memory_low_watermark,
             disk_high=m.disk_high_watermark,
+            stream_window=m.stream_window,
+            tenants=config.security.tenancy,
         )
         self.metrics = ManagerMetrics(
             self.meta.stats, self.meta.tier_failures, self.meta.node_views, self.meta.tenant_views
@@ -71,11 +76,17 @@ class ManagerService(NodeRoutes):
         # register (protected by the admin token when one is set).
         self._grant_key_shared = not sec.grant_key
         self.grant_key = sec.grant_key.encode() if sec.grant_key else secrets.token_bytes(32)
-        self.tenants = Tenants(sec.tenants, sec.token)
-        self.meta.quotas = parse_quotas(sec.tenant_quotas, self.tenants.names(), parse_size)
+        # This process's incarnation: it signs grants with a key derived from it, which
+        # slabs learn when they register, so no grant outlives the process that issued it.
+        self.incarnation = secrets.randbits(63) or 1
+        self.signing_key = epoch_key(self.grant_key, self.incarnation)
+        self.tenants = sec.tenancy  # parsed once, by config.py
         auth = Auth(sec.token, sec.admin_token, self.tenants)  # manager/auth.py
+        self.shard_urls = split_urls(m.shard_urls) if m.shard_urls else ()
+        self.browser = BrowserGuard(self.shard_urls, auth.open)  # manager/browser.py
         self.app = web.Application(
-            client_max_size=m.max_body_size, middlewares=[middleware(auth, self.metrics)]
+            client_max_size=m.max_body_size,
+            middlewares=[middleware(auth, self.browser, self.metrics)],
         )
         self.events = EventRing()  # recent events for the status page (manager/events.py)
         self._add_routes()
@@ -87,7 +98,7 @@ class ManagerService(NodeRoutes):
         self._restore_wanted = asyncio.Event()
         self._restored = asyncio.Event()  # set while no restore is running
         self._restored.set()
-        self._runner: web.AppRunner | None = None
+        self._runner: TimedRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._restorer: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[None]] = set()  # corruption reports being verified
@@ -112,9 +123,9 @@ class ManagerService(NodeRoutes):
         r.add_post("/v1/release", self.release)
         r.add_post("/v1/renew", self.renew)
         self._add_node_routes(r)  # manager/node_routes.py
-        OperatorRoutes(self.events, self.meta, self._kick).add_routes(
-            self.app
-        )  # page, events, drain
+        OperatorRoutes(  # page, events, drain
+            self.events, self.meta, self._kick, self.browser, lambda request: request[TENANT]
+        ).add_routes(self.app)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -142,7 +153,9 @@ class ManagerService(NodeRoutes):
 
     async def start(self, sock: socket.socket) -> None:
         self.writer.start()
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        m = self.config.manager
+        timeouts = Timeouts(m.header_timeout, m.body_timeout, m.idle_timeout)  # manager/server.py
+        self._runner = TimedRunner(self.app, timeouts, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.SockSite(self._runner, sock, shutdown_timeout=2.0).start()
         host, port = sock.getsockname()[:2]
@@ -208,18 +221,23 @@ class ManagerService(NodeRoutes):
             with progress(
                 self.meta.restore_left, "metadata restore", "entries", log_lines=True
             ) as bar:
-                while True:
+                while self.meta.restoring:
                     left = self.meta.restore_left
-                    more = self.meta.restore_step()
+                    self.meta.restore_step()
                     bar.update(max(left - self.meta.restore_left, 0))
                     # Restored entries live long: out of the cyclic collector's reach, or
                     # its full passes over a million of them stall the loop for most of a
                     # second (worst slice at 1M entries: 0.6 s without, 0.16 s with). The
                     # same geometric rule as in steady state: a few freezes, not one per slice.
                     self._freeze_grown_tables()
-                    if not more:
-                        break
-                    await asyncio.sleep(0)
+                    if self.meta.restore_left == left:
+                        # nothing could be restored: slabs are still confirming their memory
+                        # (node_routes.confirm sets the event when one is done)
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._restore_wanted.wait(), 0.2)
+                        self._restore_wanted.clear()
+                    else:
+                        await asyncio.sleep(0)
             self._restored.set()
             log.info("metadata restore finished", seconds=round(time.perf_counter() - started, 3))
             self._kick()
@@ -242,11 +260,18 @@ class ManagerService(NodeRoutes):
         self.meta.plan_tiering()
         self._wake_disk_roles()
 
-    def _room_coming(self) -> bool:
-        """Plan tiering, wake the disk roles; True if some node is making room."""
-        coming = self.meta.room_coming()
-        self._wake_disk_roles()
-        return coming
+    async def _await(self, step: Step) -> None:
+        """Wait for what the core's step names, at most until its deadline. The disk
+        roles are woken first: the step may have queued the very orders it waits for."""
+        self._kick()
+        left = step.until - time.monotonic()
+        if left <= 0:
+            return
+        if step.wait is Wait.RELOADS:
+            await asyncio.wait([self._reload_future(gen) for gen in step.gens], timeout=left)
+        elif step.wait is Wait.ROOM:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left)
 
     def _signal_freed(self) -> None:
         """Wake every writer waiting for room; each re-checks and waits again if needed."""
@@ -284,6 +309,7 @@ class ManagerService(NodeRoutes):
                 "metadata_store": "retrying" if self.flush_failures else "ok",
                 "shard": str(self.guard.shard),
                 "key_range": self.guard.shard.describe(),
+                "shard_urls": list(self.shard_urls),
             }
         )
 
@@ -313,7 +339,7 @@ class ManagerService(NodeRoutes):
             if tenant != "default" and tenant not in self.tenants.names():
                 raise BadRequest(f"no tenant {tenant!r:.70}")
             tenant = "" if tenant == "default" else tenant
-        return scoped_key(tenant, key)
+        return ident(tenant, key)
 
     async def get_key(self, request: web.Request) -> web.Response:
         view = self.meta.describe(self._path_key(request))
@@ -330,8 +356,9 @@ class ManagerService(NodeRoutes):
         return json_response({"deleted": key})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        tenant = request[TENANT]  # the admin (None) sees every tenant's series
         return web.Response(
-            body=generate_latest(self.metrics.registry),
+            body=self.metrics.scrape(None if tenant is None else label(tenant)),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
 
@@ -349,7 +376,7 @@ class ManagerService(NodeRoutes):
             self.meta.grant_expiry(ttl),
             entry.gen,
         )
-        return sign(grant, self.grant_key).hex()
+        return sign(grant, self.signing_key).hex()
 
     @staticmethod
     def _node_view(node: Node) -> dict[str, Any]:
@@ -376,16 +403,25 @@ class ManagerService(NodeRoutes):
 
     @staticmethod
     def _scope(request: web.Request, keys: Iterable[str]) -> tuple[str, list[str]]:
-        """The requester's tenant and its keys as the core files them (manager/tenants.py);
+        """The requester's tenant and its keys as the core files them (keys.ident);
         replies name the client's keys again."""
         tenant = request[TENANT] or DEFAULT
-        return tenant, [scoped_key(tenant, k) for k in keys]
+        return tenant, [ident(tenant, k) for k in keys]
 
     async def lookup(self, request: web.Request) -> web.Response:
         req = control.parse_lookup(await self._body(request), self.limits)
         self.guard.check(req.keys)
         tenant, scoped = self._scope(request, req.keys)
-        hits, lease = await self._lookup(req, tenant, scoped)
+        op = self.meta.open_lookup(scoped, req.lease, tenant, req.wait, req.resume)
+        try:
+            step = self.meta.advance_lookup(op)
+            while step.wait is not Wait.DONE:
+                await self._await(step)
+                step = self.meta.advance_lookup(op)
+        finally:
+            self.meta.close_lookup(op)
+        self._kick()  # a stream's next window may have been queued
+        hits, lease = op.served, op.lease
         nodes: dict[str, Any] = {}
         ttl = self.meta.read_lease_ttl
         # a hit prefix: the i-th hit is the i-th key asked for
@@ -394,75 +430,48 @@ class ManagerService(NodeRoutes):
                 self._entry_view(e, k, Op.READ, ttl, nodes)
                 for e, k in zip(hits, req.keys, strict=False)
             ]
-            if lease
+            if req.lease
             else [
                 {"key": k, "size": e.size, "checksum": e.checksum}
                 for e, k in zip(hits, req.keys, strict=False)
             ]
         )
         return json_response(
-            {"hits": len(hits), "lease": lease, "nodes": nodes, "entries": entries}
+            {
+                "hits": len(hits),
+                "lease": lease,
+                "more": op.more,
+                "nodes": nodes,
+                "entries": entries,
+            }
         )
-
-    async def _lookup(
-        self, req: control.LookupRequest, tenant: str, keys: list[str]
-    ) -> tuple[list[Entry], str | None]:
-        """The longest prefix in memory, after waiting (up to req.wait) for disk hits to be
-        reloaded by their own node, and for room when reloads lack memory right now."""
-        deadline = time.monotonic() + req.wait
-        op = self.meta.begin_lookup(keys, req.lease, tenant)
-        while not op.done:
-            left = deadline - time.monotonic()
-            if op.reloads:
-                self._kick()
-                pending = [self._reload_future(gen) for gen in op.reloads]
-                await asyncio.wait(pending, timeout=max(left, 0.0))
-                self.meta.settle(op)
-                continue
-            if left <= 0:
-                break
-            if op.wait_room:
-                # Room comes from offloads in flight or from other requests releasing
-                # what they read (concurrent prompts longer than memory share it window
-                # by window); with neither, waiting would only add latency.
-                if not self._room_coming() and not self.meta.others_reading(op):
-                    break
-                try:
-                    await asyncio.wait_for(self._freed.wait(), left)
-                except TimeoutError:
-                    break
-            self.meta.continue_lookup(op)
-        return op.served, op.lease
 
     async def allocate(self, request: web.Request) -> web.Response:
         req = control.parse_allocate(await self._body(request), self.limits)
         self.guard.check(i.key for i in req.items)
         tenant, scoped = self._scope(request, (i.key for i in req.items))
         items = [(k, i.size) for k, i in zip(scoped, req.items, strict=True)]
-        op = self.meta.begin_allocate(items, tenant)
-        deadline = time.monotonic() + req.wait
-        while op.missing:  # under pressure, writes wait for the room offloads are making
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._room_coming():
-                break
-            try:
-                await asyncio.wait_for(self._freed.wait(), left)
-            except TimeoutError:
-                break
-            self.meta.retry_allocate(op)
-        results, lease = op.results, op.lease
+        op = self.meta.open_allocate(items, tenant, req.wait, req.resume, req.more)
+        try:
+            step = self.meta.advance_allocate(op)
+            while step.wait is not Wait.DONE:  # under pressure: wait for the room being made
+                await self._await(step)
+                step = self.meta.advance_allocate(op)
+        finally:
+            self.meta.close_allocate(op)
         self._kick()
         nodes: dict[str, Any] = {}
         ttl = self.meta.write_lease_ttl
         out = []
-        for res, item in zip(results, req.items, strict=True):  # in request order
+        for res, item in zip(op.results, req.items, strict=True):  # in request order
+            assert res is not None  # every item has its result once the request is done
             if res.status is AllocStatus.ALLOCATED and res.entry is not None:
                 view = self._entry_view(res.entry, item.key, Op.WRITE, ttl, nodes)
                 view["status"] = res.status.value
                 out.append(view)
             else:
                 out.append({"key": item.key, "status": res.status.value})
-        return json_response({"lease": lease, "nodes": nodes, "results": out})
+        return json_response({"lease": op.lease, "nodes": nodes, "results": out})
 
     async def commit(self, request: web.Request) -> web.Response:
         req = control.parse_commit(await self._body(request), self.limits)
@@ -470,7 +479,10 @@ class ManagerService(NodeRoutes):
         _, scoped = self._scope(request, (key for key, _ in req.items))
         theirs = {s: key for s, (key, _) in zip(scoped, req.items, strict=True)}
         results = self.meta.commit(
-            req.lease, [(s, checksum) for s, (_, checksum) in zip(scoped, req.items, strict=True)]
+            req.lease,
+            [(s, checksum) for s, (_, checksum) in zip(scoped, req.items, strict=True)],
+            req.more,
+            request[TENANT],
         )
         self._kick()
         return json_response({"results": {theirs[s]: result for s, result in results.items()}})
@@ -479,7 +491,7 @@ class ManagerService(NodeRoutes):
         req = control.parse_abort(await self._body(request), self.limits)
         self.guard.check(req.keys or ())
         keys = None if req.keys is None else self._scope(request, req.keys)[1]
-        aborted = self.meta.abort(req.lease, keys)
+        aborted = self.meta.abort(req.lease, keys, request[TENANT])
         self._signal_freed()
         return json_response({"aborted": aborted})
 
@@ -488,7 +500,7 @@ class ManagerService(NodeRoutes):
         self.guard.check(req.corrupt)
         _, scoped = self._scope(request, req.corrupt)
         theirs = dict(zip(scoped, req.corrupt, strict=True))
-        outcome = self.meta.release(req.leases, scoped)
+        outcome = self.meta.release(req.leases, scoped, request[TENANT])
         for entry in outcome.suspects:  # checked where the bytes are, then maybe dropped
             task = asyncio.create_task(
                 self._check_report(entry, theirs[entry.key]), name="manager-verify"
@@ -508,12 +520,15 @@ class ManagerService(NodeRoutes):
                 node.address, node.incarnation, entry.offset, entry.size, gen, entry.checksum
             )
             bad = await bytes_are_bad(
-                region, self.grant_key, self.meta.grant_expiry(VERIFY_TIMEOUT)
+                region, self.signing_key, self.meta.grant_expiry(VERIFY_TIMEOUT)
             )
         if self.meta.corrupt_verified(entry, gen, bad):
             log.warning("checksum mismatch confirmed; entry dropped", key=key, node=node.node_id)
             self.events.add(
-                Kind.CHECKSUM_FAILURE, key, "checksum mismatch reported and confirmed on its node"
+                Kind.CHECKSUM_FAILURE,
+                key,
+                "checksum mismatch reported and confirmed on its node",
+                tenant=entry.tenant,
             )
             self._signal_freed()
         else:
@@ -526,4 +541,4 @@ class ManagerService(NodeRoutes):
 
     async def renew(self, request: web.Request) -> web.Response:
         leases = control.parse_renew(await self._body(request), self.limits)
-        return json_response({"renewed": self.meta.renew(leases)})
+        return json_response({"renewed": self.meta.renew(leases, request[TENANT])})

@@ -19,10 +19,11 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from polarkv_lib.errors import AccessDenied, BadRequest
+from polarkv_lib.manager.browser import BrowserGuard
 from polarkv_lib.manager.metrics import ManagerMetrics
 from polarkv_lib.manager.responses import error_response
-from polarkv_lib.manager.tenants import DEFAULT, Tenants
 from polarkv_lib.manager.ui import is_public
+from polarkv_lib.tenancy import DEFAULT, Tenants
 
 log = structlog.get_logger("polarkv.manager")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -34,15 +35,12 @@ class Auth:
         self._token = token
         self._admin_token = admin_token
         self.tenants = tenants
+        self.open = not (token or admin_token or tenants.enabled)  # no token of any kind
 
     def authorize(self, request: web.Request) -> None:
         """Check the bearer token; note whose it is (request[TENANT], None: the admin)."""
         request[TENANT] = DEFAULT
-        if (
-            request.path == "/healthz"
-            or is_public(request)
-            or not (self._token or self._admin_token or self.tenants.enabled)
-        ):
+        if request.path == "/healthz" or is_public(request) or self.open:
             return
         header = request.headers.get("Authorization", "")
         presented = header[7:] if header.startswith("Bearer ") else ""
@@ -65,8 +63,9 @@ class Auth:
         request[TENANT] = tenant
 
 
-def middleware(auth: Auth, metrics: ManagerMetrics) -> Middleware:
-    """Authorize, run the handler, turn errors into JSON replies, time the endpoint."""
+def middleware(auth: Auth, browser: BrowserGuard, metrics: ManagerMetrics) -> Middleware:
+    """Refuse what only a foreign web page sends (manager/browser.py), authorize, run the
+    handler, turn errors into JSON replies, time the endpoint."""
 
     @web.middleware
     async def handle(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -74,6 +73,7 @@ def middleware(auth: Auth, metrics: ManagerMetrics) -> Middleware:
         resource = request.match_info.route.resource
         endpoint = resource.canonical if resource is not None else "unmatched"
         try:
+            browser.check(request)
             auth.authorize(request)
             return await handler(request)
         except (AccessDenied, BadRequest) as exc:

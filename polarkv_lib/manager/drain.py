@@ -6,7 +6,7 @@ reaches one of its disk-only entries misses). Each tiering plan then moves its m
 entries out: a clean entry (its file is valid) drops its memory copy at no cost, a
 memory-only entry is offloaded to the node's own disk (and leaves memory when the
 offload reports back), and on a node without a disk role the entry is dropped. Entries
-under a read lease wait for it to end. The node is drained when it holds no memory
+under a read lease wait for it to end (they are out of the eviction order until then). The node is drained when it holds no memory
 entry and no offload is pending; it can then be stopped, and when it starts again it
 reports its files, which serve hits again. A drain ends with the node's incarnation
 (a restarted node registers afresh), and it is not persisted.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from polarkv_lib.manager.model import Node, Residency
+from polarkv_lib.manager.model import Claim, Node, Residency
 from polarkv_lib.manager.tiering import Tiering
 
 
@@ -36,10 +36,10 @@ class Draining(Tiering):
         return {
             "node": node.node_id,
             "draining": node.draining,
-            "keys_memory": len(node.lru),
+            "keys_memory": node.keys_memory,
             "offloads_pending": pending,
             "keys_disk": len(node.disk_lru),
-            "drained": not node.lru and not pending,
+            "drained": not node.keys_memory and not pending,
         }
 
     def plan_tiering(self) -> list[str]:
@@ -53,17 +53,16 @@ class Draining(Tiering):
         return sorted(touched)
 
     def _alloc_on(
-        self, node: Node, size: int, protected: set[str], make_room: bool = True
+        self, node: Node, size: int, claim: Claim, make_room: bool = True
     ) -> tuple[int, int] | None:
         # Every new memory extent (placement or reload) comes through here.
         if node.draining:
             return None
-        return super()._alloc_on(node, size, protected, make_room)
+        return super()._alloc_on(node, size, claim, make_room)
 
     def _plan_drain(self, node: Node) -> None:
+        # The order holds no read or in-flight entry: those follow when they come back.
         for entry in list(node.lru.values()):
-            if entry.readers or entry.offloading:
-                continue  # leased: later; offloading: leaves when it reports back
             if entry.residency is Residency.BOTH:
                 self._release_memory_copy(entry)
             elif node.has_disk and self._disk_room(node, entry.size):

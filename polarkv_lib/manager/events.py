@@ -8,6 +8,12 @@ Every event gets a sequence number: a poller asks for those after the last one i
 `id` stays the event's first sequence number when repeats fold into it.
 Repeats of one kind and subject within `coalesce_s` fold into one recent event with a count,
 so a failing disk cannot push everything else out of the ring.
+
+Events about a tenant's entries (a checksum failure, a failed reload of its entry) are
+that tenant's: they go to a ring of its own and are shown only to that tenant and the
+admin (DESIGN §14), and however many one tenant causes, they push out only its own, never
+the nodes' events or another tenant's. Sequence numbers are shared by every ring, so one
+`since` covers what a viewer may see.
 """
 
 from __future__ import annotations
@@ -55,16 +61,23 @@ class EventRing:
         coalesce_s: float = COALESCE_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._ring: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self._capacity = capacity
+        # the shared ring (None: nodes, the metadata store) and one per tenant
+        self._rings: dict[str | None, deque[dict[str, Any]]] = {}
         self._seq = itertools.count(1)
+        self._last = 0
         self._coalesce_s = coalesce_s
         self._clock = clock
 
-    def add(self, kind: Kind, subject: str, message: str, **fields: Any) -> dict[str, Any]:
-        """Record one event about `subject` (a node id, a key, an operation)."""
+    def add(
+        self, kind: Kind, subject: str, message: str, tenant: str | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """Record one event about `subject` (a node id, a key, an operation); `tenant`:
+        the tenant whose entry it is about (its own ring, its eyes and the admin's)."""
         now = self._clock()
-        for i in range(len(self._ring) - 1, max(len(self._ring) - FOLD_WINDOW, 0) - 1, -1):
-            seen = self._ring[i]
+        ring = self._rings.setdefault(tenant, deque(maxlen=self._capacity))
+        for i in range(len(ring) - 1, max(len(ring) - FOLD_WINDOW, 0) - 1, -1):
+            seen = ring[i]
             if (
                 seen["kind"] == kind
                 and seen["subject"] == subject
@@ -72,13 +85,13 @@ class EventRing:
             ):
                 # Folded into that one, moved to the end with a new sequence number so
                 # that pollers see the change.
-                del self._ring[i]
+                del ring[i]
                 seen.update(
-                    fields, seq=next(self._seq), time=now, count=seen["count"] + 1, message=message
+                    fields, seq=self._next(), time=now, count=seen["count"] + 1, message=message
                 )
-                self._ring.append(seen)
+                ring.append(seen)
                 return seen
-        seq = next(self._seq)
+        seq = self._next()
         event = {
             "seq": seq,
             "id": seq,
@@ -90,17 +103,34 @@ class EventRing:
             "count": 1,
             **fields,
         }
-        self._ring.append(event)
+        if tenant is not None:
+            event["tenant"] = tenant or "default"
+        ring.append(event)
         return event
 
-    def since(self, seq: int = 0, limit: int = CAPACITY) -> list[dict[str, Any]]:
-        """Events with a sequence number above `seq`, oldest first, at most the last `limit`."""
-        newer = [e for e in self._ring if e["seq"] > seq]
+    def _next(self) -> int:
+        self._last = next(self._seq)
+        return self._last
+
+    def since(
+        self, seq: int = 0, limit: int = CAPACITY, viewer: str | None = None, admin: bool = True
+    ) -> list[dict[str, Any]]:
+        """Events with a sequence number above `seq`, oldest first, at most the last
+        `limit`, of those the viewer may see: the admin every ring, a tenant the shared
+        one and its own."""
+        rings = (
+            self._rings.values()
+            if admin
+            else [r for owner, r in self._rings.items() if owner is None or owner == viewer]
+        )
+        newer = sorted(
+            (e for ring in rings for e in ring if e["seq"] > seq), key=lambda e: e["seq"]
+        )
         return newer[-limit:] if limit > 0 else []
 
     @property
     def last_seq(self) -> int:
-        return self._ring[-1]["seq"] if self._ring else 0
+        return self._last
 
     def __len__(self) -> int:
-        return len(self._ring)
+        return sum(len(ring) for ring in self._rings.values())

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -141,7 +141,7 @@ _NODE_REPORTED = {
 
 
 _TENANT = {
-    # per tenant (manager/tenants.py), from the core's TenantStats
+    # per tenant (tenancy.py), from the core's TenantStats
     "polarkv_tenant_lookups": ("lookup requests of the tenant", CounterMetricFamily, "lookups"),
     "polarkv_tenant_hits": ("chunks the tenant's lookups found", CounterMetricFamily, "hits"),
     "polarkv_tenant_misses": ("chunks the tenant's lookups missed", CounterMetricFamily, "misses"),
@@ -176,12 +176,10 @@ class _StatsCollector(Collector):
         stats: Callable[[], dict[str, int]],
         failures: Callable[[], dict[str, int]],
         nodes: Callable[[], list[dict[str, Any]]],
-        tenants: Tenants | None,
     ) -> None:
         self._stats = stats
         self._failures = failures
         self._nodes = nodes
-        self._tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         failures = CounterMetricFamily(
@@ -206,13 +204,6 @@ class _StatsCollector(Collector):
                 if node["state"] == "alive" and field in node["reported"]:
                     gauge.add_metric([node["id"]], node["reported"][field])
             yield gauge
-        tenants = self._tenants() if self._tenants is not None else {}
-        if set(tenants) - {"default"}:  # only once tenants are configured
-            for name, (help_text, kind, field) in _TENANT.items():
-                metric = kind(name, help_text, labels=["tenant"])
-                for tenant, values in tenants.items():
-                    metric.add_metric([tenant], values[field])
-                yield metric
         stats = self._stats()
         for table, family in ((_COUNTERS, CounterMetricFamily), (_GAUGES, GaugeMetricFamily)):
             for name, (help_text, label, source) in table.items():
@@ -234,7 +225,8 @@ class ManagerMetrics:
         tenants: Tenants | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StatsCollector(stats, failures, nodes, tenants))
+        self.registry.register(_StatsCollector(stats, failures, nodes))
+        self._tenants = tenants
         tier_buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
         self.offload_seconds = Histogram(
             "polarkv_offload_seconds",
@@ -268,3 +260,27 @@ class ManagerMetrics:
                 1.0,
             ),
         )
+
+    def scrape(self, viewer: str | None) -> bytes:
+        """The text of `/metrics` for a viewer: everything, and every tenant's series, for
+        the admin (None); a tenant's token gets only its own tenant's series (DESIGN §14)."""
+        text: bytes = generate_latest(self.registry)
+        views = self._tenants() if self._tenants is not None else {}
+        if not set(views) - {"default"}:  # tenants are not configured
+            return text
+        shown = views if viewer is None else {k: v for k, v in views.items() if k == viewer}
+        own = CollectorRegistry()
+        own.register(_TenantCollector(shown))
+        return text + bytes(generate_latest(own))
+
+
+class _TenantCollector(Collector):
+    def __init__(self, views: dict[str, dict[str, int]]) -> None:
+        self._views = views
+
+    def collect(self) -> Iterator[Metric]:
+        for name, (help_text, kind, field) in _TENANT.items():
+            metric = kind(name, help_text, labels=["tenant"])
+            for tenant, values in self._views.items():
+                metric.add_metric([tenant], values[field])
+            yield metric

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -66,6 +67,7 @@ class AllocStatus(StrEnum):
     EXISTS = "exists"
     IN_PROGRESS = "in_progress"
     NO_SPACE = "no_space"
+    LATER = "later"  # past this request's window: ask again after committing the rest
 
 
 @dataclass(eq=False, slots=True)
@@ -85,7 +87,10 @@ class Node:
     alive: bool = True
     restoring: bool = False  # persisted entries still being restored: no new placements
     draining: bool = False  # an operator is emptying its memory: no new extents (manager/drain.py)
-    # ready entries with a memory copy, least recently used first
+    # The eviction order: ready memory copies that may leave memory now (no reader, no
+    # transfer in flight), least recently used first. A pinned or in-flight entry is out
+    # of it until it is free again, so a walk over it costs what it frees however many
+    # entries are leased (tables.py `_order_in` / `_order_out`).
     lru: OrderedDict[str, Entry] = field(default_factory=OrderedDict)
     lru_extent: int = 0  # memory extents held by the entries in `lru`
     # the BOTH subset of `lru` (memory that can go at no cost), roughly in LRU order
@@ -94,7 +99,8 @@ class Node:
     # entries with a file on this node's disk, least recently used first
     disk_lru: OrderedDict[str, Entry] = field(default_factory=OrderedDict)
     entries: set[str] = field(default_factory=set)
-    ready_bytes: int = 0
+    keys_memory: int = 0  # ready entries with a memory copy, pinned or not
+    ready_bytes: int = 0  # and their sizes
     disk_used: int = 0
     offloading_bytes: int = 0  # memory extents being offloaded (queued or in flight)
     offloading_files: int = 0  # and the file bytes they will take
@@ -106,6 +112,10 @@ class Node:
     # freed extents that must not be reused yet: a heap of (until, offset, length)
     quarantine: list[tuple[float, int, int]] = field(default_factory=list)
     reported: dict[str, int] = field(default_factory=dict)  # the slab's own counters
+    # Streams sharing this node's memory (their windows are a share of it, tiering.py):
+    # read leases holding entries reloaded here, and lookups waiting here for room.
+    loaders: set[str] = field(default_factory=set)
+    room_waiters: int = 0
 
     def __post_init__(self) -> None:
         self.allocator = Allocator(self.capacity, self.base)
@@ -134,8 +144,9 @@ class Entry:
     dropped: bool = False  # out of the table; extent waits for readers / in-flight I/O
     residency: Residency = Residency.MEMORY
     file_bytes: int = 0
-    tenant: str = ""  # who stored it (manager/tenants.py); "" the default namespace
+    tenant: str = ""  # whose entry it is (tenancy.py); "" the default tenant
     order_deadline: float = 0.0
+    counted: bool = False  # its memory copy is in its node's and tenant's memory figures
 
     @property
     def in_memory(self) -> bool:
@@ -156,15 +167,30 @@ class Entry:
 
 @dataclass(slots=True)
 class ReadLease:
-    entries: list[Entry]
+    """What one reader holds: the entries it was served (pinned until it lets go) and,
+    for a stream, the next window being reloaded for it (`ahead`, pinned, not yet
+    served). A lookup that names the lease (`continue`) lets go of `served` first."""
+
+    tenant: str
     expires: float
-    disk_hits: set[int] = field(default_factory=set)  # gens counted as disk hits
+    served: list[Entry] = field(default_factory=list)
+    ahead: dict[str, Entry] = field(default_factory=dict)  # by key, in key order
+    from_disk: set[int] = field(default_factory=set)  # gens of `ahead` reloaded from disk
+    loading_on: set[str] = field(default_factory=set)  # node ids: in their `loaders`
+    busy: bool = False  # a lookup of the stream is running on it: no second `continue`
 
 
 @dataclass(slots=True)
 class WriteLease:
-    entries: dict[str, Entry]
+    """What one writer holds: its entries being written, and for a store of several
+    windows (`more` on commit) the keys it has stored so far, which its later windows
+    never evict to make room for themselves."""
+
+    tenant: str
     expires: float
+    entries: dict[str, Entry] = field(default_factory=dict)
+    kept: dict[str, None] = field(default_factory=dict)  # in prompt order
+    keep: bool = False  # more windows follow: it lives on with no entry open
 
 
 @dataclass(slots=True)
@@ -197,9 +223,19 @@ class Counters:
     tier_failures: dict[str, int] = field(default_factory=dict)  # "offload_disk_full": n
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Who asks for memory (placement, reloads, room), and which of the ready entries
+    that could make room must stay: a store's own chunks (WriteLease.kept)."""
+
+    tenant: str
+    keep: Container[str] = frozenset()
+
+
 @dataclass(slots=True)
 class TenantStats:
-    """One tenant's share of the counters, and of memory (ready entries)."""
+    """One tenant's share of the counters, and of memory (ready entries, and the extents
+    it is writing: both count against its quota and its fair share)."""
 
     lookups: int = 0
     hits: int = 0
@@ -209,6 +245,7 @@ class TenantStats:
     commits: int = 0
     keys_memory: int = 0
     bytes_memory: int = 0
+    bytes_writing: int = 0
 
 
 @dataclass(slots=True)
@@ -218,40 +255,83 @@ class AllocResult:
     entry: Entry | None = None
 
 
+class Wait(StrEnum):
+    """What the shell awaits before it asks the core for the next step of a request."""
+
+    DONE = "done"  # nothing: answer now
+    RELOADS = "reloads"  # these reloads (or the deadline)
+    ROOM = "room"  # memory being freed somewhere (or the deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """The core's decision for one request: what to wait for, and until when (the
+    monotonic deadline the request's `wait` set)."""
+
+    wait: Wait
+    gens: tuple[int, ...] = ()
+    until: float = 0.0
+
+
+DONE = Step(Wait.DONE)
+
+
+class Stop(StrEnum):
+    """Why a lookup's pass over its keys stopped where it did."""
+
+    END = "end"  # every key taken
+    MISS = "miss"  # the next key is not stored (or cannot come back)
+    WINDOW = "window"  # the window is full: the stream goes on in the next lookup
+    ROOM = "room"  # the next entry is on disk and its node has no memory for it now
+
+
 @dataclass(slots=True)
 class Allocation:
-    """One allocate request across its passes: the shell retries the NO_SPACE items
-    while room is coming, and the core counts the final results once."""
+    """One allocate request, across its steps (core.py `advance_allocate`). Items are
+    placed in order; past the request's window (its share of memory) they are LATER,
+    for the writer to ask again once it has committed what it got."""
 
     items: list[tuple[str, int]]
-    results: list[AllocResult]
-    lease: str | None
-    tenant: str = ""
+    tenant: str
+    deadline: float
+    results: list[AllocResult | None]
+    lease: str | None = None  # the write lease, continued (`continue`) or new
+    more: bool = False  # more windows of the same store follow
+    kept: dict[str, None] = field(default_factory=dict)  # the store's chunks: not its victims
+    done: bool = False
 
     @property
-    def missing(self) -> list[int]:
-        return [i for i, r in enumerate(self.results) if r.status is AllocStatus.NO_SPACE]
+    def open(self) -> list[int]:
+        """Items not decided yet: never tried, or refused for room while it may come."""
+        return [
+            i
+            for i, r in enumerate(self.results)
+            if r is None or r.status in (AllocStatus.NO_SPACE, AllocStatus.LATER)
+        ]
 
 
 @dataclass(slots=True)
 class Lookup:
-    """One lookup request across its passes. After a pass, `reloads` are the entry gens
-    to wait for (then `settle`), or `wait_room` says the prefix stopped at a disk entry
-    that needs memory that offloads may be making; otherwise, unless `done`, the shell
-    goes on with another pass at once. The core counts it as one lookup."""
+    """One lookup request, across its steps (core.py `advance_lookup`). `served` is the
+    prefix answered so far; `pending`, this step's hits whose reloads are awaited.
+    `more`: the answer stopped at the end of a window, not at a miss: the next key is
+    stored and a lookup that continues the lease gets it (its reload has started)."""
 
     keys: list[str]
     take_lease: bool
-    tenant: str = ""
-    served: list[Entry] = field(default_factory=list)
+    tenant: str
+    deadline: float
     lease: str | None = None
-    pending: list[Entry] = field(default_factory=list)  # this pass's hits, not settled yet
-    wait_room: bool = False
+    lease_ref: ReadLease | None = None  # the lease object (gone from the table: it ended)
+    served: list[Entry] = field(default_factory=list)
+    pending: list[Entry] = field(default_factory=list)
+    from_disk: set[int] = field(default_factory=set)  # gens of hits reloaded for it
+    waiting_on: Node | None = None  # the node whose room it waits for (node.room_waiters)
+    waited: bool = False  # it has waited for room in line: it goes before newcomers
+    stop: Stop = Stop.END  # why the pass whose reloads are pending stopped
+    stop_node: Node | None = None  # where it stopped for room
+    more: bool = False
     done: bool = False
-
-    @property
-    def reloads(self) -> list[int]:
-        return [e.gen for e in self.pending if e.reloading]
 
 
 @dataclass(slots=True)
@@ -274,12 +354,20 @@ class Events:
 @dataclass(slots=True)
 class RestoreJob:
     """A registered node's persisted entries, restored a slice at a time in address
-    order (so each memory extent is reserved in O(1))."""
+    order (so each memory extent is reserved in O(1)). Memory copies come back only where
+    the slab confirms that the bytes at the entry's extent still match its checksum
+    (`checks`, answered in `held`): a row the write-behind had not yet updated (the entry
+    was evicted, its space rewritten) must not name another entry's bytes."""
 
     node: Node
-    same_buffer: bool  # the node kept its buffer: memory copies are still valid
+    same_buffer: bool  # the node kept its buffer: memory copies may still be valid
     rows: list[EntryRow]
     done: int = 0
+    checks: list[tuple[int, int, str]] = field(default_factory=list)  # offset, size, xxh3
+    asked: int = 0  # checks handed to the slab so far
+    held: set[tuple[int, str]] = field(default_factory=set)  # (offset, checksum) confirmed
+    confirming: bool = False  # waiting for the slab's answers: the rows wait too
+    confirm_until: float = 0.0  # past this, what was not confirmed is not trusted
 
 
 def new_id() -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from polarkv_lib.keys import split_ident
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.metrics import ManagerMetrics
@@ -32,6 +33,7 @@ class NodeRoutes:
     metrics: ManagerMetrics
     limits: control.Limits
     grant_key: bytes
+    incarnation: int
     _grant_key_shared: bool
     _order_events: dict[str, asyncio.Event]
     _restored: asyncio.Event
@@ -58,6 +60,7 @@ class NodeRoutes:
         router.add_post("/v1/nodes/orders", self.orders)
         router.add_post("/v1/nodes/done", self.done)
         router.add_post("/v1/nodes/adopt", self.adopt)
+        router.add_post("/v1/nodes/confirm", self.confirm)
 
     async def register(self, request: web.Request) -> web.Response:
         req = control.parse_register(await self._body(request))
@@ -88,6 +91,7 @@ class NodeRoutes:
             "node_id": node.node_id,
             "incarnation": node.incarnation,
             "heartbeat_ttl": self.meta.heartbeat_ttl,
+            "manager_incarnation": self.incarnation,  # grants are signed for it
         }
         if self._grant_key_shared:
             body["grant_key"] = self.grant_key.hex()
@@ -138,13 +142,31 @@ class NodeRoutes:
                 self.metrics.reload_seconds.observe(r.seconds)
                 self._settle_reload(r.gen)
             if not r.ok:
+                tenant, key = split_ident(r.key)
                 log.warning(f"{r.op} failed", node=ref.node_id, key=r.key, reason=r.reason)
-                self.events.add(
-                    Kind.TIER_FAILURE, ref.node_id, f"{r.op} failed: {r.reason}", key=r.key
+                self.events.add(  # the entry's tenant's event
+                    Kind.TIER_FAILURE,
+                    ref.node_id,
+                    f"{r.op} failed: {r.reason}",
+                    tenant=tenant,
+                    key=key,
                 )
         self._signal_freed()
         self._kick()
         return json_response({"ok": True})
+
+    async def confirm(self, request: web.Request) -> web.Response:
+        """A slab that registered with a restarted manager confirms its memory: the
+        restore takes back only the memory copies whose bytes still match their checksum."""
+        ref, held = control.parse_confirm(await self._body(request), self.limits)
+        checks = self.meta.confirm(ref.node_id, ref.incarnation, held)
+        if checks is None:
+            return error_response("unknown node or incarnation; register again", 404)
+        if not checks:
+            self._start_restore()  # its rows can come back now
+        return json_response(
+            {"check": [{"offset": o, "length": n, "checksum": c} for o, n, c in checks]}
+        )
 
     async def adopt(self, request: web.Request) -> web.Response:
         """A slab with a disk reports the files it found at start."""

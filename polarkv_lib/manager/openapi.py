@@ -9,14 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 from polarkv_lib import __version__
+from polarkv_lib.manager.browser import CORS_PATHS
 from polarkv_lib.manager.events import CAPACITY as EVENTS_CAPACITY
 from polarkv_lib.manager.events import Kind
 from polarkv_lib.manager.model import TenantStats
-from polarkv_lib.manager.ui import CORS_PATHS
 from polarkv_lib.manager.views import STATS_KEYS
 from polarkv_lib.wire.orders import TierOp
 
 KEY = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
+# an entry's identity (keys.ident): its key, and `.tenant` for a tenant's entry
+IDENT = {"type": "string", "pattern": "^[0-9a-f]{32}([.][A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"}
+BOOL = {"type": "boolean"}
+OFFSET = {"type": "integer", "minimum": 0, "maximum": 2**62 - 1}
 LEASE = {"type": "string", "pattern": "^[0-9a-f]{16,64}$"}
 CHECKSUM = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
 INT = {"type": "integer"}
@@ -111,10 +115,18 @@ EVENT = obj(
     },
     additional=True,
 )
-PREFLIGHT = {
-    "summary": "CORS preflight (the status page reads every shard)",
-    "responses": {"204": {"description": "allowed: GET with an Authorization header"}},
-}
+
+
+def _preflight() -> dict[str, Any]:
+    return {
+        "summary": "CORS preflight (the status page of one shard reads every shard)",
+        "responses": {
+            "204": {
+                "description": "answered; allowed (GET with an Authorization header) only "
+                "for the origins of manager.shard_urls"
+            }
+        },
+    }
 
 
 def _operator_paths() -> dict[str, Any]:
@@ -169,7 +181,8 @@ def _operator_paths() -> dict[str, Any]:
                         "drained": {"type": "boolean"},
                     }
                 ),
-                errors=(401, 403),
+                body=obj({}),  # `{}`: a JSON body, as every POST has (manager/browser.py)
+                errors=(400, 401, 403),
                 extra={404: "no such live node"},
             ),
         },
@@ -230,6 +243,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         "metadata_store": {"enum": ["ok", "retrying"]},
                         "shard": STR,
                         "key_range": STR,
+                        "shard_urls": arr(STR),
                     }
                 ),
                 errors=(),
@@ -277,11 +291,13 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
         "/openapi.json": {"get": _op("this document", {"type": "object"}, errors=(401,))},
         "/v1/lookup": {
             "post": _op(
-                "longest ready prefix of keys, with read leases and READ grants",
+                "longest ready prefix of keys, with read leases and READ grants; where it "
+                "reaches the disk, one window of a stream ('more': continue the lease)",
                 obj(
                     {
                         "hits": INT,
                         "lease": NULLABLE_LEASE,
+                        "more": {"type": "boolean"},
                         "nodes": {"type": "object", "additionalProperties": NODE_VIEW},
                         "entries": arr(
                             obj(
@@ -295,7 +311,10 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         ),
                     }
                 ),
-                obj({"keys": batch(KEY, 1)}, {"lease": {"type": "boolean"}, "wait": WAIT}),
+                obj(
+                    {"keys": batch(KEY, 1)},
+                    {"lease": {"type": "boolean"}, "wait": WAIT, "continue": NULLABLE_LEASE},
+                ),
             )
         },
         "/v1/allocate": {
@@ -310,7 +329,13 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                                 {
                                     "key": KEY,
                                     "status": {
-                                        "enum": ["allocated", "exists", "in_progress", "no_space"]
+                                        "enum": [
+                                            "allocated",
+                                            "exists",
+                                            "in_progress",
+                                            "no_space",
+                                            "later",
+                                        ]
                                     },
                                 },
                                 {k: v for k, v in REGION.items() if k != "key"},
@@ -318,7 +343,10 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         ),
                     }
                 ),
-                obj({"items": batch(obj({"key": KEY, "size": size}), 1)}, {"wait": WAIT}),
+                obj(
+                    {"items": batch(obj({"key": KEY, "size": size}), 1)},
+                    {"wait": WAIT, "continue": NULLABLE_LEASE, "more": {"type": "boolean"}},
+                ),
             )
         },
         "/v1/commit": {
@@ -334,7 +362,10 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         }
                     }
                 ),
-                obj({"lease": LEASE, "items": batch(obj({"key": KEY, "checksum": CHECKSUM}), 1)}),
+                obj(
+                    {"lease": LEASE, "items": batch(obj({"key": KEY, "checksum": CHECKSUM}), 1)},
+                    {"more": {"type": "boolean"}},
+                ),
             )
         },
         "/v1/abort": {
@@ -361,7 +392,15 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
         "/v1/nodes/register": {
             "post": _op(
                 "a slab joins (or rejoins) with its incarnation",
-                obj({"node_id": STR, "incarnation": INT, "heartbeat_ttl": NUM}, {"grant_key": STR}),
+                obj(
+                    {
+                        "node_id": STR,
+                        "incarnation": INT,
+                        "heartbeat_ttl": NUM,
+                        "manager_incarnation": INT,
+                    },
+                    {"grant_key": STR},
+                ),
                 obj(
                     {
                         "node_id": NODE_ID,
@@ -445,10 +484,26 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                 extra={404: "unknown node or incarnation: register again"},
             )
         },
+        "/v1/nodes/confirm": {
+            "post": _op(
+                "a slab registered with a restarted manager answers which of its memory "
+                "extents still hash to their entry's checksum, and gets the next to check",
+                obj({"check": arr(obj({"offset": INT, "length": INT, "checksum": STR}))}),
+                obj(
+                    {
+                        "node_id": NODE_ID,
+                        "incarnation": INCARNATION,
+                        "held": batch(obj({"offset": OFFSET, "checksum": CHECKSUM, "ok": BOOL})),
+                    }
+                ),
+                errors=(400, 401, 403, 413),
+                extra={404: "unknown node or incarnation: register again"},
+            )
+        },
         "/v1/nodes/adopt": {
             "post": _op(
                 "a restarted slab+disk reports the files it holds; they serve hits again",
-                obj({"adopted": INT, "delete": arr(KEY)}),
+                obj({"adopted": INT, "delete": arr(IDENT)}),
                 obj(
                     {
                         "node_id": NODE_ID,
@@ -456,7 +511,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         "files": batch(
                             obj(
                                 {
-                                    "key": KEY,
+                                    "key": IDENT,
                                     "size": size,
                                     "checksum": CHECKSUM,
                                     "file_bytes": POSITIVE,
@@ -495,7 +550,16 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
     ):
         paths[path][method]["responses"]["421"] = wrong_shard
     for path in CORS_PATHS:
-        paths[path]["options"] = PREFLIGHT
+        paths[path]["options"] = _preflight()
+    # Without a token (manager/browser.py): what only a foreign web page would send.
+    foreign_host = _json(ERROR, "no token configured and Host is not localhost or an IP address")
+    not_json = _json(ERROR, "no token configured and the body is not application/json")
+    for ops in paths.values():
+        for method, op in ops.items():
+            if method != "parameters":
+                op["responses"].setdefault("403", foreign_host)
+            if method == "post":
+                op["responses"]["415"] = not_json
     return {
         "openapi": "3.0.3",
         "info": {

@@ -16,6 +16,7 @@ NODE_COLUMNS = (
     "transports",
 )
 ENTRY_COLUMNS = (
+    "tenant",
     "key",
     "node_id",
     "incarnation",
@@ -28,6 +29,7 @@ ENTRY_COLUMNS = (
     "file_bytes",
     "created",
 )
+ENTRY_KEY = ("tenant", "key")  # an entry is its tenant's: two tenants, two rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,7 @@ class NodeRow:
 
 @dataclass(frozen=True, slots=True)
 class EntryRow:
-    key: str
+    key: str  # the client's key; with `tenant`, the entry's identity (keys.ident)
     node_id: str
     incarnation: int
     size: int
@@ -55,13 +57,14 @@ class EntryRow:
     on_disk: bool
     file_bytes: int
     created: float
+    tenant: str = ""  # whose entry it is ("" the default tenant's)
 
 
 @dataclass(slots=True)
 class Batch:
     nodes: list[NodeRow]
     entries: list[EntryRow]
-    deleted_keys: list[str]
+    deleted_keys: list[str]  # entries' identities (keys.ident)
 
     def __len__(self) -> int:
         return len(self.nodes) + len(self.entries) + len(self.deleted_keys)

@@ -11,13 +11,14 @@ miss; a flush keeps their rows.
 
 from __future__ import annotations
 
-import hashlib
-
-from polarkv_lib.manager.allocator import size_class
+from polarkv_lib.keys import KEY_LENGTH, ident
 from polarkv_lib.manager.model import Entry, Node, Residency, RestoreJob, State
 from polarkv_lib.manager.rows import Batch, EntryRow, NodeRow
 from polarkv_lib.manager.tables import Tables
-from polarkv_lib.wire.orders import file_bytes_bound
+
+# How long a registered slab has to confirm its memory extents, and how many per request.
+CONFIRM_TIMEOUT = 10.0
+CONFIRM_BATCH = 16384
 
 
 class Snapshots(Tables):
@@ -30,9 +31,9 @@ class Snapshots(Tables):
             rows = by_node.pop(node_row.node_id, [])
             rows.sort(key=lambda r: r.mem_offset)
             self.restored[node_row.node_id] = (node_row, rows)
-            self.waiting_keys.update(row.key for row in rows)
+            self.waiting_keys.update(ident(row.tenant, row.key) for row in rows)
         for orphans in by_node.values():  # entries of a node we have no row for
-            self.dirty_keys.update(row.key for row in orphans)
+            self.dirty_keys.update(ident(row.tenant, row.key) for row in orphans)
 
     def _begin_restore(self, node: Node) -> None:
         """A node registers: its persisted disk entries serve again if it has its disk;
@@ -45,8 +46,36 @@ class Snapshots(Tables):
             node_row.incarnation == node.incarnation and node_row.capacity == node.capacity
         )
         node.restoring = True
-        self.restore_jobs[node.node_id] = RestoreJob(node, same_buffer, rows)
+        job = RestoreJob(node, same_buffer, rows)
+        if same_buffer:  # its memory copies come back once the slab confirms them
+            job.checks = [
+                (r.mem_offset, r.size, r.checksum)
+                for r in rows
+                if r.in_memory and r.incarnation == node.incarnation
+            ]
+            job.confirming = bool(job.checks)
+            job.confirm_until = self.clock() + CONFIRM_TIMEOUT
+        self.restore_jobs[node.node_id] = job
         self.restore_step()
+
+    def confirm(
+        self, node_id: str, incarnation: int, held: list[tuple[int, str, bool]]
+    ) -> list[tuple[int, int, str]] | None:
+        """A registered slab's answers to the last checks (offset, checksum, whether the
+        payload there still hashes to it) and the next checks to answer; [] once none is
+        left (the restore then goes on). None: not a node being restored."""
+        job = self.restore_jobs.get(node_id)
+        if job is None or job.node.incarnation != incarnation or not job.node.alive:
+            node = self.nodes.get(node_id)
+            known = node is not None and node.alive and node.incarnation == incarnation
+            return [] if known else None
+        job.held.update((offset, checksum) for offset, checksum, ok in held if ok)
+        if job.asked < len(job.checks):
+            batch = job.checks[job.asked : job.asked + CONFIRM_BATCH]
+            job.asked += len(batch)
+            return batch
+        job.confirming = False
+        return []
 
     @property
     def restoring(self) -> bool:
@@ -58,11 +87,16 @@ class Snapshots(Tables):
         return sum(len(job.rows) - job.done for job in self.restore_jobs.values())
 
     def restore_step(self, budget: int = 0) -> bool:
-        """Restore up to `budget` rows (default: one slice). True while more remain."""
+        """Restore up to `budget` rows (default: one slice) of the nodes whose slabs have
+        confirmed their memory (or not in time). True while more remain."""
         budget = budget or self.restore_slice
         for node_id, job in list(self.restore_jobs.items()):
             if budget <= 0:
                 break
+            if job.confirming and job.node.alive:
+                if self.clock() < job.confirm_until:
+                    continue  # the slab has not answered yet
+                job.confirming = False  # it never did: none of its memory is trusted
             end = min(job.done + budget, len(job.rows))
             if job.node.alive:
                 for row in job.rows[job.done : end]:
@@ -70,8 +104,9 @@ class Snapshots(Tables):
             else:  # died meanwhile: what is left goes, as its restored entries did
                 end = len(job.rows)
                 for row in job.rows[job.done :]:
-                    self.waiting_keys.discard(row.key)
-                    self.dirty_keys.add(row.key)
+                    key = ident(row.tenant, row.key)
+                    self.waiting_keys.discard(key)
+                    self.dirty_keys.add(key)
             budget -= end - job.done
             job.done = end
             if job.done == len(job.rows):
@@ -81,20 +116,22 @@ class Snapshots(Tables):
 
     def _restore_row(self, job: RestoreJob, row: EntryRow) -> None:
         node = job.node
-        self.waiting_keys.discard(row.key)
-        was_dirty = row.key in self.dirty_keys  # changed meanwhile (e.g. written elsewhere)
-        if self.get(row.key) is not None:
-            self.dirty_keys.add(row.key)  # the store gets the newer entry
+        key = ident(row.tenant, row.key)
+        self.waiting_keys.discard(key)
+        was_dirty = key in self.dirty_keys  # changed meanwhile (e.g. written elsewhere)
+        if self.get(key) is not None:
+            self.dirty_keys.add(key)  # the store gets the newer entry
             return
         in_memory = (
             job.same_buffer
             and row.in_memory
             and row.incarnation == node.incarnation
+            and (row.mem_offset, row.checksum) in job.held  # its bytes are still there
             and node.allocator.reserve(row.mem_offset, row.mem_extent)
         )
         on_disk = row.on_disk and node.has_disk
         if not in_memory and not on_disk:
-            self.dirty_keys.add(row.key)  # not restored: its row is deleted
+            self.dirty_keys.add(key)  # not restored: its row is deleted
             return
         residency = (
             Residency.BOTH
@@ -104,7 +141,7 @@ class Snapshots(Tables):
             else Residency.DISK
         )
         entry = Entry(
-            row.key,
+            key,
             row.size,
             node,
             row.mem_offset if in_memory else 0,
@@ -115,11 +152,12 @@ class Snapshots(Tables):
             gen=self._next_gen(),
             checksum=row.checksum,
             residency=residency,
+            tenant=row.tenant,
         )
-        self.entries[row.key] = entry
-        node.entries.add(row.key)
+        self.entries[key] = entry
+        node.entries.add(key)
         if in_memory:
-            self._lru_add(entry)
+            self._memory_ready(entry)
         if on_disk:
             self._file_added(entry, row.file_bytes)
         exact = (
@@ -131,7 +169,7 @@ class Snapshots(Tables):
             # Back exactly as persisted: its row stays as it is. Rewriting every restored
             # row made the write-behind redo the whole table during a restore (1M rows:
             # most of the restore's time, on the loop and in the store's thread).
-            self.dirty_keys.discard(row.key)
+            self.dirty_keys.discard(key)
 
     def take_changes(self) -> Batch:
         """The current state of everything changed since the last call."""
@@ -159,7 +197,7 @@ class Snapshots(Tables):
             in_memory = entry.in_memory and entry.alloc_size > 0
             entries.append(
                 EntryRow(
-                    key,
+                    key[:KEY_LENGTH],
                     entry.node.node_id,
                     entry.node.incarnation,
                     entry.size,
@@ -170,6 +208,7 @@ class Snapshots(Tables):
                     entry.on_disk,
                     entry.file_bytes,
                     entry.created,
+                    entry.tenant,
                 )
             )
         self.dirty_keys.clear()
@@ -179,39 +218,5 @@ class Snapshots(Tables):
     def requeue(self, batch: Batch) -> None:
         """A batch that could not be written: mark its keys and nodes again."""
         self.dirty_nodes.update(n.node_id for n in batch.nodes)
-        self.dirty_keys.update(e.key for e in batch.entries)
+        self.dirty_keys.update(ident(e.tenant, e.key) for e in batch.entries)
         self.dirty_keys.update(batch.deleted_keys)
-
-
-def synthetic_rows(
-    node: NodeRow,
-    count: int,
-    size: int,
-    *,
-    in_memory: bool = True,
-    on_disk: bool = False,
-    checksum: str = "0123456789abcdef",
-) -> list[EntryRow]:
-    """`count` ready entries of `size` bytes packed from offset 0 of `node`'s buffer (or
-    files only), as a previous manager would have persisted them: restoring these is
-    the quick way to fill a core for benchmarks and scale tests."""
-    extent = size_class(size) if in_memory else 0
-    if extent * count > node.capacity:
-        raise ValueError(f"{count} entries of {size} bytes do not fit in {node.capacity} bytes")
-    file_bytes = file_bytes_bound(size) if on_disk else 0
-    return [
-        EntryRow(
-            hashlib.blake2b(f"{node.node_id}/{i}".encode(), digest_size=16).hexdigest(),
-            node.node_id,
-            node.incarnation,
-            size,
-            checksum,
-            i * extent,
-            extent,
-            in_memory,
-            on_disk,
-            file_bytes,
-            0.0,
-        )
-        for i in range(count)
-    ]

@@ -20,7 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from polarkv_lib.errors import ConfigError
-from polarkv_lib.manager.rows import ENTRY_COLUMNS, NODE_COLUMNS, Batch, EntryRow, NodeRow
+from polarkv_lib.keys import split_ident
+from polarkv_lib.manager.rows import (
+    ENTRY_COLUMNS,
+    ENTRY_KEY,
+    NODE_COLUMNS,
+    Batch,
+    EntryRow,
+    NodeRow,
+)
 
 _SCHEMA = [
     """CREATE TABLE IF NOT EXISTS polarkv_nodes (
@@ -28,20 +36,49 @@ _SCHEMA = [
         capacity BIGINT NOT NULL, disk_capacity BIGINT NOT NULL, shm_path TEXT NOT NULL,
         host_id TEXT NOT NULL, transports TEXT NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS polarkv_entries (
-        key TEXT PRIMARY KEY, node_id TEXT NOT NULL, incarnation BIGINT NOT NULL,
-        size BIGINT NOT NULL, checksum TEXT NOT NULL, mem_offset BIGINT NOT NULL,
-        mem_extent BIGINT NOT NULL, in_memory BOOLEAN NOT NULL, on_disk BOOLEAN NOT NULL,
-        file_bytes BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL)""",
+        tenant TEXT NOT NULL DEFAULT '', key TEXT NOT NULL, node_id TEXT NOT NULL,
+        incarnation BIGINT NOT NULL, size BIGINT NOT NULL, checksum TEXT NOT NULL,
+        mem_offset BIGINT NOT NULL, mem_extent BIGINT NOT NULL, in_memory BOOLEAN NOT NULL,
+        on_disk BOOLEAN NOT NULL, file_bytes BIGINT NOT NULL, created DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (tenant, key))""",
+]
+# Tables from before tenants were persisted (key alone the primary key): their rows are
+# the default tenant's.
+_V1_COLUMNS = [c for c in ENTRY_COLUMNS if c != "tenant"]
+_MIGRATE_SQLITE = [
+    "ALTER TABLE polarkv_entries RENAME TO polarkv_entries_v1",
+    _SCHEMA[1],
+    f"INSERT INTO polarkv_entries ({', '.join(_V1_COLUMNS)}) "
+    f"SELECT {', '.join(_V1_COLUMNS)} FROM polarkv_entries_v1",
+    "DROP TABLE polarkv_entries_v1",
+]
+_MIGRATE_POSTGRES = [
+    "ALTER TABLE polarkv_entries ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE polarkv_entries DROP CONSTRAINT polarkv_entries_pkey",
+    "ALTER TABLE polarkv_entries ADD PRIMARY KEY (tenant, key)",
 ]
 
 
-def _upsert(table: str, columns: tuple[str, ...], placeholder: str) -> str:
+def _upsert(
+    table: str, columns: tuple[str, ...], conflict: tuple[str, ...], placeholder: str
+) -> str:
     marks = ", ".join(placeholder.format(i + 1) for i in range(len(columns)))
-    updates = ", ".join(f"{c} = excluded.{c}" for c in columns[1:])
+    updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in conflict)
     return (
         f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks}) "
-        f"ON CONFLICT ({columns[0]}) DO UPDATE SET {updates}"
+        f"ON CONFLICT ({', '.join(conflict)}) DO UPDATE SET {updates}"
     )
+
+
+def _entry_row(r: Any) -> EntryRow:
+    values = dict(zip(ENTRY_COLUMNS, r, strict=True))
+    values["in_memory"], values["on_disk"] = bool(values["in_memory"]), bool(values["on_disk"])
+    return EntryRow(**values)
+
+
+def _deleted(batch: Batch) -> list[tuple[str, str]]:
+    """The (tenant, key) of every deleted entry."""
+    return [split_ident(ident) for ident in batch.deleted_keys]
 
 
 class MetadataStore(ABC):
@@ -80,6 +117,12 @@ class SqliteStore(MetadataStore):
         self._db.execute("PRAGMA synchronous=NORMAL")
         for statement in _SCHEMA:
             self._db.execute(statement)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(polarkv_entries)")}
+        if "tenant" not in columns:
+            self._db.execute("BEGIN")
+            for statement in _MIGRATE_SQLITE:
+                self._db.execute(statement)
+            self._db.execute("COMMIT")
 
     async def open(self) -> None:
         try:
@@ -96,7 +139,7 @@ class SqliteStore(MetadataStore):
             for row in self._db.execute(f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")
         ]
         entries = [
-            EntryRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), bool(r[8]), r[9], r[10])
+            _entry_row(r)
             for r in self._db.execute(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")
         ]
         return nodes, entries
@@ -111,15 +154,15 @@ class SqliteStore(MetadataStore):
         db.execute("BEGIN")
         try:
             db.executemany(
-                _upsert("polarkv_nodes", NODE_COLUMNS, "?"),
+                _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "?"),
                 [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
             )
             db.executemany(
-                _upsert("polarkv_entries", ENTRY_COLUMNS, "?"),
+                _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "?"),
                 [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
             )
             db.executemany(
-                "DELETE FROM polarkv_entries WHERE key = ?", [(k,) for k in batch.deleted_keys]
+                "DELETE FROM polarkv_entries WHERE tenant = ? AND key = ?", _deleted(batch)
             )
             db.execute("COMMIT")
         except BaseException:
@@ -157,6 +200,14 @@ class PostgresStore(MetadataStore):
                     await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
                 for statement in _SCHEMA:
                     await conn.execute(statement)
+                migrated = await conn.fetchval(
+                    "SELECT count(*) FROM information_schema.columns WHERE table_schema = "
+                    "current_schema() AND table_name = 'polarkv_entries' AND column_name = 'tenant'"
+                )
+                if not migrated:
+                    async with conn.transaction():
+                        for statement in _MIGRATE_POSTGRES:
+                            await conn.execute(statement)
         except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
             raise ConfigError(f"manager.metadata_url: cannot use PostgreSQL: {exc}") from None
 
@@ -167,7 +218,7 @@ class PostgresStore(MetadataStore):
                 for r in await conn.fetch(f"SELECT {', '.join(NODE_COLUMNS)} FROM polarkv_nodes")
             ]
             entries = [
-                EntryRow(*r)
+                _entry_row(r)
                 for r in await conn.fetch(f"SELECT {', '.join(ENTRY_COLUMNS)} FROM polarkv_entries")
             ]
         return nodes, entries
@@ -176,17 +227,21 @@ class PostgresStore(MetadataStore):
         async with self._pool.acquire() as conn, conn.transaction():
             if batch.nodes:
                 await conn.executemany(
-                    _upsert("polarkv_nodes", NODE_COLUMNS, "${}"),
+                    _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "${}"),
                     [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
                 )
             if batch.entries:
                 await conn.executemany(
-                    _upsert("polarkv_entries", ENTRY_COLUMNS, "${}"),
+                    _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "${}"),
                     [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
                 )
             if batch.deleted_keys:
+                tenants, keys = zip(*_deleted(batch), strict=True)
                 await conn.execute(
-                    "DELETE FROM polarkv_entries WHERE key = ANY($1::text[])", batch.deleted_keys
+                    "DELETE FROM polarkv_entries WHERE (tenant, key) IN "
+                    "(SELECT * FROM unnest($1::text[], $2::text[]))",
+                    list(tenants),
+                    list(keys),
                 )
 
     async def close(self) -> None:

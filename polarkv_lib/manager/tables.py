@@ -35,6 +35,7 @@ from polarkv_lib.manager.model import (
     WriteLease,
 )
 from polarkv_lib.manager.rows import EntryRow, NodeRow
+from polarkv_lib.tenancy import Tenants
 from polarkv_lib.wire.orders import Order, TierOp, file_bytes_bound
 
 
@@ -50,6 +51,8 @@ class Tables:
         disk_high: float = 0.95,
         rng: random.Random | None = None,
         wall: Callable[[], float] = time.time,
+        stream_window: int = 64 << 20,
+        tenants: Tenants | None = None,
     ) -> None:
         self.entries: dict[str, Entry] = {}
         self.read_lease_ttl = read_lease
@@ -58,6 +61,7 @@ class Tables:
         self.memory_high = memory_high
         self.memory_low = memory_low
         self.disk_high = disk_high
+        self.stream_window = stream_window  # most bytes one stream moves per window (tiering.py)
         self.clock = clock  # monotonic: leases, heartbeats, deadlines
         self.wall = wall  # wall time: what views and persisted rows show
         self.rng = rng or random.Random()  # placement; tests pass a seeded one
@@ -66,8 +70,10 @@ class Tables:
         self.write_leases: dict[str, WriteLease] = {}
         self.counters = Counters()
         self.tenant_stats: dict[str, TenantStats] = {}
-        # tenants with a memory quota, and their ready memory copies in LRU order
-        self.quotas: dict[str, int] = {}
+        # the tenants (tenancy.py), those with a memory quota, and the memory copies of
+        # the latter that may leave memory now, least recently used first
+        self.tenants = tenants or Tenants({})
+        self.quotas: dict[str, int] = dict(self.tenants.quotas)
         self.tenant_lru: dict[str, OrderedDict[str, Entry]] = {}
         # Generations grow across manager restarts too (wall microseconds at start, then
         # one by one): a slab ranks the grants of every manager it has served by them.
@@ -97,42 +103,96 @@ class Tables:
     def _next_gen(self) -> int:
         return next(self._gens)
 
-    # -- LRUs ---------------------------------------------------------------------------
+    # -- memory figures and the eviction order -------------------------------------------
 
-    def _lru_add(self, entry: Entry) -> None:
-        """A ready entry's memory copy becomes the most recently used."""
+    def _memory_ready(self, entry: Entry) -> None:
+        """A ready entry has a memory copy now (commit, reload, restore): it counts in its
+        node's and tenant's memory, and joins the eviction order unless it is held."""
+        if entry.counted:
+            return
+        entry.counted = True
         node = entry.node
-        node.lru[entry.key] = entry
-        node.lru_extent += entry.alloc_size
+        node.keys_memory += 1
         node.ready_bytes += entry.size
         tenant = self.tenant(entry.tenant)
         tenant.keys_memory += 1
         tenant.bytes_memory += entry.size
-        if entry.tenant in self.quotas:
-            self.tenant_lru.setdefault(entry.tenant, OrderedDict())[entry.key] = entry
-        if entry.residency is Residency.BOTH:
-            self._clean_add(entry)
+        self._order_in(entry)
 
     def _forget_memory(self, entry: Entry) -> None:
+        """The entry's memory copy no longer counts (it is going, or gone)."""
+        self._order_out(entry)
+        if not entry.counted:
+            return
+        entry.counted = False
         node = entry.node
-        if node.lru.pop(entry.key, None) is not None:
-            node.ready_bytes -= entry.size
-            node.lru_extent -= entry.alloc_size
-            tenant = self.tenant(entry.tenant)
-            tenant.keys_memory -= 1
-            tenant.bytes_memory -= entry.size
-            if entry.tenant in self.quotas:
-                self.tenant_lru[entry.tenant].pop(entry.key, None)
-        self._clean_remove(entry)
+        node.keys_memory -= 1
+        node.ready_bytes -= entry.size
+        tenant = self.tenant(entry.tenant)
+        tenant.keys_memory -= 1
+        tenant.bytes_memory -= entry.size
+
+    @staticmethod
+    def _orderable(entry: Entry) -> bool:
+        """Whether its memory copy may leave memory now: ready, not dropped, read by
+        nobody, no transfer of it in flight."""
+        return (
+            entry.counted
+            and entry.readers == 0
+            and entry.residency in (Residency.MEMORY, Residency.BOTH)
+        )
+
+    def _order_in(self, entry: Entry, recent: bool = True) -> None:
+        """Put an entry that may leave memory into its node's eviction order (and its
+        tenant's, under a quota): as the most recently used, or (`recent=False`) as the
+        least, for an entry that was next to go when it was taken out."""
+        if not self._orderable(entry) or entry.key in entry.node.lru:
+            return
+        node = entry.node
+        orders: list[OrderedDict[str, Entry]] = [node.lru]
+        node.lru_extent += entry.alloc_size
+        if entry.residency is Residency.BOTH:
+            orders.append(node.clean)
+            node.clean_extent += entry.alloc_size
+        if entry.tenant in self.quotas:
+            orders.append(self.tenant_lru.setdefault(entry.tenant, OrderedDict()))
+        for order in orders:
+            order[entry.key] = entry
+            if not recent:
+                order.move_to_end(entry.key, last=False)
+
+    def _order_out(self, entry: Entry) -> None:
+        """Take an entry out of the eviction order: it is read, in flight or leaving."""
+        node = entry.node
+        if node.lru.pop(entry.key, None) is None:
+            return
+        node.lru_extent -= entry.alloc_size
+        if node.clean.pop(entry.key, None) is not None:
+            node.clean_extent -= entry.alloc_size
+        if entry.tenant in self.quotas:
+            self.tenant_lru[entry.tenant].pop(entry.key, None)
 
     def _clean_add(self, entry: Entry) -> None:
-        if entry.key not in entry.node.clean and entry.key in entry.node.lru:
-            entry.node.clean[entry.key] = entry
-            entry.node.clean_extent += entry.alloc_size
+        """An entry in the eviction order got a valid file: its memory can go at no cost."""
+        node = entry.node
+        if entry.key in node.lru and entry.key not in node.clean:
+            node.clean[entry.key] = entry
+            node.clean_extent += entry.alloc_size
 
-    def _clean_remove(self, entry: Entry) -> None:
-        if entry.node.clean.pop(entry.key, None) is not None:
-            entry.node.clean_extent -= entry.alloc_size
+    def _pin(self, entry: Entry) -> None:
+        """A reader holds the entry: nothing evicts, offloads away or reuses it."""
+        entry.readers += 1
+        if entry.readers == 1:
+            self._order_out(entry)
+
+    def _unref(self, entry: Entry) -> None:
+        entry.readers -= 1
+        if entry.readers:
+            return
+        if entry.dropped:
+            self._maybe_free(entry)
+        else:
+            self._order_in(entry)
 
     def _touch(self, entry: Entry) -> None:
         node = entry.node
@@ -161,6 +221,8 @@ class Tables:
         if entry.dropped:
             return
         entry.dropped = True
+        if entry.state is State.WRITING:  # its writer will not commit it now
+            self.tenant(entry.tenant).bytes_writing -= entry.size
         self.dirty_keys.add(entry.key)
         self.entries.pop(entry.key, None)
         node = entry.node
@@ -185,7 +247,8 @@ class Tables:
         if node.disk_lru.pop(entry.key, None) is not None:
             node.disk_used -= entry.file_bytes
         if entry.residency is Residency.BOTH:
-            self._clean_remove(entry)
+            if node.clean.pop(entry.key, None) is not None:
+                node.clean_extent -= entry.alloc_size
             entry.residency = Residency.MEMORY
         elif entry.residency is Residency.DISK:
             entry.residency = Residency.NONE
@@ -223,11 +286,6 @@ class Tables:
             _, offset, length = heapq.heappop(node.quarantine)
             if node.alive:
                 node.allocator.release(offset, length)
-
-    def _unref(self, entry: Entry) -> None:
-        entry.readers -= 1
-        if entry.readers == 0 and entry.dropped:
-            self._maybe_free(entry)
 
     @staticmethod
     def _order(op: TierOp, entry: Entry) -> Order:

@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from polarkv_lib.keys import split_ident
 from polarkv_lib.manager.allocator import size_class
 from polarkv_lib.manager.model import (
     DISK_HYSTERESIS,
     ORDER_TIMEOUT,
+    Claim,
     Entry,
     Node,
     Residency,
@@ -34,7 +36,7 @@ from polarkv_lib.wire.orders import Order, TierOp, file_bytes_bound
 class Tiering(Tables):
     # -- placement ----------------------------------------------------------------------
 
-    def _place(self, size: int, protected: set[str]) -> tuple[Node, int, int] | None:
+    def _place(self, size: int, claim: Claim) -> tuple[Node, int, int] | None:
         """Pick a node for new bytes at random, weighted by free memory: load spreads in
         proportion to room, so a freshly (re)started empty node takes more of the new
         writes but not all of them (it would become every reader's hot spot). If none
@@ -49,13 +51,13 @@ class Tiering(Tables):
         fits = [n for n in nodes if n.allocator.used + need <= self._memory_limit(n)]
         while fits:
             node = self.rng.choices(fits, weights=[n.allocator.free for n in fits])[0]
-            got = self._alloc_on(node, size, protected, make_room=False)
+            got = self._alloc_on(node, size, claim, make_room=False)
             if got is not None:
                 node.last_alloc = got[1]
                 return node, *got
             fits.remove(node)  # fragmented: no extent large enough after all
         for node in nodes:
-            got = self._alloc_on(node, size, protected, make_room=True)
+            got = self._alloc_on(node, size, claim, make_room=True)
             if got is not None:
                 node.last_alloc = got[1]
                 return node, *got
@@ -74,7 +76,7 @@ class Tiering(Tables):
         return int(cap * self.memory_high) if node.has_disk else cap
 
     def _alloc_on(
-        self, node: Node, size: int, protected: set[str], make_room: bool = True
+        self, node: Node, size: int, claim: Claim, make_room: bool = True
     ) -> tuple[int, int] | None:
         need = size_class(size)
         limit = self._memory_limit(node)
@@ -84,18 +86,25 @@ class Tiering(Tables):
                 return got
         if not make_room:
             return None
-        return self._make_room(node, size, need, limit, protected)
+        return self._make_room(node, size, need, limit, claim)
 
-    def _movable(self, node: Node, protected: set[str]) -> Iterable[Entry]:
-        """Memory copies that may go now, least recently used first: clean copies on a
-        node with a disk (their file stays), any copy on a node without one."""
-        pool = node.clean if node.has_disk else node.lru
-        for entry in pool.values():
-            if entry.readers == 0 and not entry.offloading and entry.key not in protected:
+    def _movable(self, node: Node, claim: Claim) -> Iterable[Entry]:
+        """Memory copies that may go now for `claim`, least recently used first: clean
+        copies on a node with a disk (their file stays: nothing is lost), any copy on a
+        node without one — but never another tenant's while that tenant holds no more
+        than its fair share. The order holds no read or in-flight entry, so only kept
+        entries and such fair shares are stepped over."""
+        if node.has_disk:
+            yield from (e for e in node.clean.values() if e.key not in claim.keep)
+            return
+        for entry in node.lru.values():
+            if entry.key in claim.keep:
+                continue
+            if entry.tenant == claim.tenant or self._over_share(entry.tenant):
                 yield entry
 
     def _make_room(
-        self, node: Node, size: int, need: int, limit: int, protected: set[str]
+        self, node: Node, size: int, need: int, limit: int, claim: Claim
     ) -> tuple[int, int] | None:
         """Free memory on `node` until `size` fits: memory copies that also have a file
         (free to drop), or, on nodes without a disk, the LRU entries themselves. Gives up
@@ -105,7 +114,7 @@ class Tiering(Tables):
             return None  # even everything movable would not do: no walk at all
         victims: list[Entry] = []
         freed = 0
-        for entry in self._movable(node, protected):
+        for entry in self._movable(node, claim):
             victims.append(entry)
             freed += entry.alloc_size
             if node.allocator.used - freed + need <= limit:
@@ -120,7 +129,7 @@ class Tiering(Tables):
                 if got is not None:
                     return got
             # fragmented: free one more at a time until an extent is large enough
-            victims = list(self._take(self._movable(node, protected), 1))
+            victims = list(self._take(self._movable(node, claim), 1))
             if not victims:
                 return None
 
@@ -133,33 +142,51 @@ class Tiering(Tables):
                 break
         return out
 
-    def _within_quota(self, tenant: str, size: int, pending: int, protected: set[str]) -> bool:
-        """Room under the tenant's memory quota for `size` more bytes (`pending` already
-        allocated in this request): its own least recently used entries leave memory
-        (clean copies are dropped, the rest evicted) until it fits. False if its leased
-        or in-flight entries hold the rest."""
-        quota = self.quotas.get(tenant)
+    def _within_quota(self, claim: Claim, size: int) -> bool:
+        """Room under the tenant's quota for `size` more bytes: what it holds in memory
+        plus what it is writing. Its own least recently used entries leave memory (clean
+        copies are dropped, the rest evicted) until it fits; False if its leased, kept or
+        in-flight entries hold the rest (then nothing left)."""
+        quota = self.quotas.get(claim.tenant)
         if quota is None:
             return True
-        mine = self.tenant(tenant)
-        if size + pending > quota:
+        mine = self.tenant(claim.tenant)
+        if size > quota:
             return False
-        lru = self.tenant_lru.setdefault(tenant, OrderedDict())
+        lru = self.tenant_lru.setdefault(claim.tenant, OrderedDict())
         # One walk from the least recently used end; nothing leaves unless enough can
         # (as in _make_room): a refusal must not have evicted entries for nothing.
-        excess = mine.bytes_memory + pending + size - quota
+        excess = mine.bytes_memory + mine.bytes_writing + size - quota
         victims: list[Entry] = []
         for entry in lru.values():
             if excess <= 0:
                 break
-            if entry.readers == 0 and not entry.offloading and entry.key not in protected:
+            if entry.key not in claim.keep:
                 victims.append(entry)
                 excess -= entry.size  # what leaving memory takes off bytes_memory
         if excess > 0:
-            return False  # its leased or in-flight entries hold the rest
+            return False
         for victim in victims:
             self._let_go(victim.node, victim)
         return True
+
+    def _fair_share(self, tenant: str) -> int:
+        """Memory a tenant may keep against other tenants' writes and reloads: an equal
+        share of the alive nodes' memory among the configured tenants, or its quota if
+        that is less. Unbounded with a single tenant (no tenants configured)."""
+        names = self.tenants.names()
+        if len(names) < 2:
+            return 1 << 62
+        total = sum(n.allocator.capacity for n in self.nodes.values() if n.alive)
+        share = total // len(names)
+        quota = self.quotas.get(tenant)
+        return min(share, quota) if quota is not None else share
+
+    def _over_share(self, tenant: str) -> bool:
+        """Whether a tenant holds (in memory and being written) more than its fair share:
+        only then may another tenant's request evict its entries."""
+        held = self.tenant(tenant)
+        return held.bytes_memory + held.bytes_writing > self._fair_share(tenant)
 
     def _let_go(self, node: Node, victim: Entry) -> None:
         if victim.on_disk:
@@ -170,11 +197,11 @@ class Tiering(Tables):
 
     # -- reloads ------------------------------------------------------------------------
 
-    def _start_reload(self, entry: Entry, protected: set[str]) -> bool:
+    def _start_reload(self, entry: Entry, claim: Claim) -> bool:
         node = entry.node
         if not node.alive or not node.has_disk or node.restoring:
             return False
-        got = self._alloc_on(node, entry.size, protected)
+        got = self._alloc_on(node, entry.size, claim)
         if got is None:
             node.pressure += size_class(entry.size)
             return False
@@ -202,25 +229,55 @@ class Tiering(Tables):
     def plan_tiering(self) -> list[str]:
         """Queue offloads and disk deletions where watermarks say so. Returns the ids
         of nodes that got new orders."""
-        touched = []
-        for node in self.nodes.values():
-            if node.alive and node.has_disk and not node.restoring:
-                before = len(node.orders)
-                self._plan_disk(node)
-                self._plan_offload(node)
-                if len(node.orders) > before:
-                    touched.append(node.node_id)
-        return touched
+        return [n.node_id for n in self.nodes.values() if self._plan_node(n)]
+
+    def _plan_node(self, node: Node) -> bool:
+        """Plan one node's tiering; True if it got new orders."""
+        if not node.alive or not node.has_disk or node.restoring:
+            return False
+        before = len(node.orders)
+        self._plan_disk(node)
+        self._plan_offload(node)
+        return len(node.orders) > before
 
     def nodes_with_orders(self) -> list[str]:
         return [n.node_id for n in self.nodes.values() if n.orders]
 
-    def room_coming(self) -> bool:
-        """Plan tiering; True if some node is making room (offloads queued or running)."""
-        self.plan_tiering()
-        return any(
-            n.alive and n.has_disk and (n.offloading_bytes or n.orders) for n in self.nodes.values()
-        )
+    # -- streams: windows and room ------------------------------------------------------
+
+    def _room_coming(self, node: Node) -> bool:
+        """Whether memory on `node` is being freed or will be without anyone's help:
+        offloads queued or running (planned now if the watermarks say so), or extents
+        that are held for now (read, being written, reloaded or offloaded, quarantined)
+        and come back when their reader, writer or transfer lets go. Nodes without a
+        disk make room by evicting, at once; waiting on them would only add latency."""
+        if not node.alive or not node.has_disk:
+            return False
+        self._plan_node(node)
+        return bool(node.offloading_bytes or node.orders or node.allocator.used > node.lru_extent)
+
+    def _room_coming_anywhere(self) -> bool:
+        return any(self._room_coming(n) for n in self.nodes.values())
+
+    def _read_window(self, node: Node, lease: str | None, size: int) -> int:
+        """Bytes one stream may reload on `node` per window: an equal share of what the
+        node may hold among the streams using it (read leases holding its reloads, and
+        lookups waiting there for room), two windows each (the one being read and the
+        next one being reloaded), at most `stream_window`, at least one entry."""
+        streams = len(node.loaders) + node.room_waiters + (lease not in node.loaders)
+        share = self._memory_limit(node) // (2 * streams)
+        return max(size_class(size), min(self.stream_window, share))
+
+    def _write_window(self, size: int, lease: str | None) -> int:
+        """Bytes one write request may allocate while memory streams to disk: an equal
+        share of the disk nodes' memory among the open writes, two windows each (one
+        being written, one being offloaded), at most `stream_window`, at least one item.
+        Without disk nodes, unbounded: memory-only stores fit or evict, and never wait."""
+        limit = sum(self._memory_limit(n) for n in self.nodes.values() if n.alive and n.has_disk)
+        if not limit:
+            return 1 << 62
+        share = limit // (2 * (len(self.write_leases) + (lease not in self.write_leases)))
+        return max(size_class(size), min(self.stream_window, share))
 
     def _plan_offload(self, node: Node) -> None:
         limit = self._memory_limit(node)
@@ -236,8 +293,6 @@ class Tiering(Tables):
         for entry in node.lru.values():  # in place, from the head, to the target
             if projected <= target:
                 break
-            if entry.readers or entry.offloading:
-                continue
             (clean if entry.residency is Residency.BOTH else dirty).append(entry)
             projected -= entry.alloc_size
         for entry in clean:
@@ -248,6 +303,7 @@ class Tiering(Tables):
             self._start_offload(node, entry)
 
     def _start_offload(self, node: Node, entry: Entry) -> None:
+        self._order_out(entry)  # in flight: back in the order when it reports
         entry.residency = Residency.OFFLOADING
         entry.order_deadline = self.clock() + ORDER_TIMEOUT
         node.offloads[entry.gen] = entry
@@ -275,7 +331,9 @@ class Tiering(Tables):
         for entry in node.disk_lru.values():
             if projected <= target:
                 break
-            if not entry.reloading and entry.readers == 0:
+            # A file being read into memory stays; a read entry's file may go (its reader
+            # has the memory copy), so only reloads in flight are stepped over.
+            if not entry.reloading:
                 victims.append(entry)
                 projected -= entry.file_bytes
         for victim in victims:
@@ -314,6 +372,8 @@ class Tiering(Tables):
             if reason == "disk_full" and entry.readers == 0:
                 self._drop(entry)  # the disk cannot take it: degrade to eviction
                 self.counters.evictions += 1
+            else:  # it was next to go: back at the cold end of the order
+                self._order_in(entry, recent=False)
             return
         entry.residency = Residency.BOTH
         self._file_added(entry, file_bytes)
@@ -321,8 +381,7 @@ class Tiering(Tables):
         self.counters.offload_bytes += entry.size
         if entry.readers == 0:
             self._release_memory_copy(entry)
-        else:
-            self._clean_add(entry)
+        # else its reader holds it; it joins the order, as a clean copy, when let go
 
     def reload_done(self, node_id: str, key: str, gen: int, ok: bool, reason: str = "") -> None:
         node = self.nodes.get(node_id)
@@ -352,7 +411,7 @@ class Tiering(Tables):
             return
         entry.residency = Residency.BOTH
         self.dirty_keys.add(key)
-        self._lru_add(entry)
+        self._memory_ready(entry)
         self.counters.reloads += 1
         self.counters.reload_bytes += entry.size
 
@@ -370,7 +429,8 @@ class Tiering(Tables):
     def adopt(
         self, node_id: str, incarnation: int, files: list[tuple[str, int, str, int]]
     ) -> list[str] | None:
-        """A slab with a disk reports the files it holds (key, size, checksum, file bytes).
+        """A slab with a disk reports the files it holds (the identity of its entry, size,
+        checksum, file bytes): the file of a tenant's entry is that tenant's again.
         Unknown keys become disk-only entries again; files the manager has better
         copies of are to be deleted (returned). None: unknown node."""
         node = self.nodes.get(node_id)
@@ -406,6 +466,7 @@ class Tiering(Tables):
                 gen=self._next_gen(),
                 checksum=checksum,
                 residency=Residency.DISK,
+                tenant=split_ident(key)[0],
             )
             self.entries[key] = entry
             node.entries.add(key)

@@ -5,10 +5,12 @@ package at start): they carry no data, so they are served without a token; the s
 asks for the token once, keeps it in the tab's sessionStorage and sends it as a header,
 so every number still passes the same token rules as the admin API.
 
-With several shards the page, loaded from any one of them, reads every shard itself
-(`/?shards=URL,URL`), so the read endpoints answer cross-origin GETs (CORS, any origin:
-the bearer token is a header the page must be given, never a cookie a browser would
-send on its own).
+With several shards the page, loaded from any one of them, reads every shard itself.
+It learns which from its own origin (`/healthz`'s `shard_urls`, the manager's
+`manager.shard_urls`) and talks to those and to its origin only: a `?shards=` in its
+address is refused, not followed, so nobody can hand an operator a link that sends the
+token they type somewhere else, and the page's Content-Security-Policy says the same to
+the browser (manager/browser.py: CORS for those shards' origins alone).
 """
 
 from __future__ import annotations
@@ -21,19 +23,14 @@ import structlog
 from aiohttp import web
 
 from polarkv_lib.errors import BadRequest
+from polarkv_lib.manager.browser import CORS_PATHS, BrowserGuard
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import CAPACITY, EventRing, Kind
+from polarkv_lib.wire import control
 
 log = structlog.get_logger("polarkv.manager")
 
 CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
-CORS_PATHS = frozenset({"/healthz", "/v1/stats", "/v1/nodes", "/v1/events"})
-CORS_HEADERS = {
-    "Access-Control-Allow-Origin": "*",
-    "Access-Control-Allow-Methods": "GET",
-    "Access-Control-Allow-Headers": "Authorization",
-    "Access-Control-Max-Age": "600",
-}
 
 
 def _load_static() -> dict[str, tuple[bytes, str]]:
@@ -55,10 +52,19 @@ def is_public(request: web.Request) -> bool:
 
 
 class OperatorRoutes:
-    def __init__(self, events: EventRing, meta: Metadata, kick: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: EventRing,
+        meta: Metadata,
+        kick: Callable[[], None],
+        browser: BrowserGuard,
+        viewer: Callable[[web.Request], str | None],
+    ) -> None:
         self.events = events
         self.meta = meta
         self._kick = kick  # plan tiering and wake the disk roles
+        self._browser = browser
+        self._viewer = viewer  # the tenant a request acts for; None: the admin (auth.py)
         self._files = _load_static()
 
     def add_routes(self, app: web.Application) -> None:
@@ -67,9 +73,7 @@ class OperatorRoutes:
         r.add_get("/static/{name}", self.static)
         r.add_get("/v1/events", self.recent_events)
         r.add_post("/v1/nodes/{node_id}/drain", self.drain)  # /v1/nodes/*: the admin token
-        for path in sorted(CORS_PATHS):
-            r.add_route("OPTIONS", path, self.preflight)
-        app.on_response_prepare.append(self._cors)
+        self._browser.add_routes(app)  # CORS for the other shards' pages
 
     def _file(self, name: str) -> web.Response:
         found = self._files.get(name)
@@ -85,7 +89,10 @@ class OperatorRoutes:
         )
 
     async def index(self, request: web.Request) -> web.Response:
-        return self._file("index.html")
+        page = self._file("index.html")
+        page.headers["Content-Security-Policy"] = self._browser.content_security_policy()
+        page.headers["Referrer-Policy"] = "no-referrer"
+        return page
 
     async def static(self, request: web.Request) -> web.Response:
         return self._file(request.match_info["name"])
@@ -99,11 +106,21 @@ class OperatorRoutes:
             raise BadRequest("since and limit are integers") from None
         if since < 0 or not 0 < limit <= CAPACITY:
             raise BadRequest(f"since must be >= 0 and limit in 1..{CAPACITY}")
-        body = {"events": self.events.since(since, limit), "last_seq": self.events.last_seq}
+        # the admin sees every event; a tenant the nodes' and its own entries' (events.py)
+        viewer = self._viewer(request)
+        events = self.events.since(since, limit, viewer or "", admin=viewer is None)
+        # a tenant learns the sequence numbers of what it may see, no others
+        last = self.events.last_seq
+        if viewer is not None:
+            last = events[-1]["seq"] if events else min(since, last)
+        body = {"events": events, "last_seq": last}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def drain(self, request: web.Request) -> web.Response:
-        """Start draining a node (see manager/drain.py); answers where it stands."""
+        """Start draining a node (see manager/drain.py); answers where it stands. The body
+        is `{}`: a JSON body, like every POST's, so a web page cannot send one."""
+        if control.parse_body(await request.read()):
+            raise BadRequest("drain takes an empty JSON object, {}")
         node_id = request.match_info["node_id"]
         node = self.meta.nodes.get(node_id)
         first = node is not None and node.alive and not node.draining
@@ -115,11 +132,3 @@ class OperatorRoutes:
             self.events.add(Kind.NODE_DRAINING, node_id, "node draining (operator)")
         self._kick()
         return web.Response(body=orjson.dumps(view), content_type="application/json")
-
-    async def preflight(self, request: web.Request) -> web.Response:
-        return web.Response(status=204)
-
-    @staticmethod
-    async def _cors(request: web.Request, response: web.StreamResponse) -> None:
-        if request.path in CORS_PATHS and request.method in ("GET", "OPTIONS"):
-            response.headers.update(CORS_HEADERS)

@@ -85,7 +85,7 @@ class Views(Tables):
                 "transports": n.transports,
                 "memory_used": n.allocator.used if n.alive else 0,
                 "memory_capacity": n.capacity,
-                "keys_memory": len(n.lru),
+                "keys_memory": n.keys_memory,
                 "bytes_memory": n.ready_bytes,
                 "disk_used": n.disk_used,
                 "disk_capacity": n.disk_capacity,
@@ -113,7 +113,7 @@ class Views(Tables):
         alive = [n for n in self.nodes.values() if n.alive]
         c = self.counters
         stats = {
-            "keys_memory": sum(len(n.lru) for n in alive),
+            "keys_memory": sum(n.keys_memory for n in alive),
             "keys_disk": sum(len(n.disk_lru) for n in alive),
             "keys_writing": sum(len(w.entries) for w in self.write_leases.values()),
             "bytes_memory": sum(n.ready_bytes for n in alive),

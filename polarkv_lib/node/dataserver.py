@@ -5,7 +5,15 @@ and the region straight from the mmap'd buffer, and a WRITE one `recv_into(MSG_W
 straight into it; each releases the GIL once and lets the kernel move the whole object.
 An event loop would need one wake-up per socket buffer's worth of data; a thread needs
 one syscall per request. The slab's Python code only decodes a 64-byte header and checks
-its grant (and, through the fence, that no newer entry holds the space it names).
+its grant (and, through the fence, that no newer entry holds the space it names): the
+gate of node/admission.py, shared with the rdma window requests on this port.
+
+A READ's payload must keep moving: a peer that takes nothing of it for
+`slab.send_timeout` is cut off (and what the kernel still holds for it dropped), and
+one client host may have at most `slab.max_bytes_in_flight_per_peer` of READs not yet
+taken (node/connections.py); past that its READs are refused BUSY. So readers that
+never read hold a bounded part of the slab's connections and memory, and for a bounded
+time, while every other host is served.
 """
 
 from __future__ import annotations
@@ -16,20 +24,18 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import structlog
 
 from polarkv_lib.config import SlabConfig
-from polarkv_lib.errors import AccessDenied, OperationTimeout, PolarKVError, ProtocolError
+from polarkv_lib.errors import OperationTimeout, PolarKVError
 from polarkv_lib.logs import Events, RateLimiter
+from polarkv_lib.node.admission import Gate
 from polarkv_lib.node.connections import Conn, ConnTable
-from polarkv_lib.node.fence import Fence
 from polarkv_lib.transport import rdma_wire
-from polarkv_lib.transport.sockio import accept_loop, recv_exact, recv_some, send_all
+from polarkv_lib.transport.sockio import accept_loop, close, cut, recv_exact, refuse, send_all
 from polarkv_lib.wire import frames, grants
 from polarkv_lib.wire.frames import Status
 
@@ -47,12 +53,6 @@ _SO_ZEROCOPY = getattr(socket, "SO_ZEROCOPY", 60)
 _MSG_ZEROCOPY = getattr(socket, "MSG_ZEROCOPY", 0x4000000)
 _EXTENDED_ERR = struct.Struct("=IBBBBII")  # struct sock_extended_err (linux/errqueue.h)
 _ORIGIN_ZEROCOPY = 5  # SO_EE_ORIGIN_ZEROCOPY
-
-
-def _cut(sock: socket.socket) -> None:
-    """Cut a connection short from another thread: its blocked send or receive fails."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
 
 
 class Responder:
@@ -75,8 +75,9 @@ class Responder:
     and where zero-copy is not available, the header is sent the ordinary way.
     """
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, stall: float) -> None:
         self._conn = conn
+        self._stall = stall
         self._buffer = bytearray(frames.RESPONSE_SIZE)
         self._outstanding = 0
         self._zerocopy = sys.platform.startswith("linux")
@@ -102,7 +103,8 @@ class Responder:
                 rest = [memoryview(header)[sent:]]
         if payload is not None:
             rest.append(payload)
-        send_all(self._conn, rest, deadline)  # one sendmsg: header and payload together
+        # one sendmsg: header and payload together
+        send_all(self._conn, rest, deadline, self._stall)
 
     def _reaped(self) -> bool:
         """Collect completion notices without blocking; True once none is outstanding."""
@@ -127,37 +129,40 @@ class DataStats:
     writes: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
-    denied: int = 0
     connections: int = 0
     refused: int = 0  # full of connections that were all mid-request
     evicted: int = 0  # idle connections closed to make room
-    timeouts: int = 0  # idle past slab.idle_timeout, or a frame slower than its bound
+    busy_reads: int = 0  # READs refused: their host had its bytes in flight
+    timeouts: int = 0  # idle past slab.idle_timeout, or a payload that stalled or was late
     accept_errors: int = 0
 
 
 class DataServer:
     """Accepts connections in one thread and serves each in its own (see the module
-    docstring for why threads); `limits` bounds how many and for how long."""
+    docstring for why threads); `gate` admits each request, `limits` bounds how many
+    connections and bytes, and for how long."""
 
     def __init__(
         self,
         sock: socket.socket,
         buffer: memoryview,
-        incarnation: int,
-        grant_key: Callable[[], bytes | None],
+        gate: Gate,
         limits: SlabConfig,
-        fence: Fence | None = None,
         rdma: RdmaServer | None = None,
     ) -> None:
         self._sock = sock
         self.rdma = rdma  # set: a hello (rdma_wire) on a connection hands it to rdma.serve
         self._buffer = buffer
-        self.fence = fence or Fence(len(buffer))
-        self._incarnation = incarnation
-        self._grant_key = grant_key
+        self.gate = gate
+        self.fence = gate.fence
         self._idle_timeout = limits.idle_timeout
-        self._frame_timeout = limits.frame_timeout
-        self._table = ConnTable(limits.max_connections, limits.max_connections_per_peer)
+        self._frame_timeout = gate.frame_timeout
+        self._send_timeout = limits.send_timeout
+        self._table = ConnTable(
+            limits.max_connections,
+            limits.max_connections_per_peer,
+            limits.max_bytes_in_flight_per_peer,
+        )
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopping = False
@@ -181,7 +186,7 @@ class DataServer:
             late = time.monotonic() > deadline
             for conn in conns:
                 if late or conn.idle_since is not None:
-                    _cut(conn.sock)
+                    cut(conn.sock)
             if late:
                 break
             time.sleep(0.01)
@@ -208,14 +213,13 @@ class DataServer:
         if victim is not None:
             self.stats.evicted += 1
             self._errors.warning(Events.CONNECTION_EVICTED, peer=victim.peer)
-            with contextlib.suppress(OSError):  # its thread wakes up and closes it
-                victim.sock.shutdown(socket.SHUT_RDWR)
+            cut(victim.sock)  # its thread wakes up and closes it
         if conn is None:
             self.stats.refused += 1
             self._errors.warning(
                 Events.CONNECTION_REFUSED, peer=peer, reason="too many connections"
             )
-            self._refuse(sock, Status.BUSY, "too many connections")
+            refuse(sock, Status.BUSY, "too many connections")
             sock.close()
             return
         t = threading.Thread(target=self._serve, args=(conn,), name="slab-conn", daemon=True)
@@ -224,75 +228,19 @@ class DataServer:
         self.stats.connections += 1
         t.start()
 
-    @staticmethod
-    def _refuse(conn: socket.socket, status: Status, reason: str) -> None:
-        msg = reason.encode()
-        try:
-            conn.sendall(frames.encode_response(status, len(msg)) + msg)
-        except OSError:
-            pass
-
-    def _read_header(self, conn: Conn, hview: memoryview) -> bool:
-        """Wait (at most idle_timeout) for a request, then its whole header (at most
-        frame_timeout); False when the client closed between requests."""
-        got = recv_some(conn.sock, hview, self._idle_timeout)
-        if got == 0:
-            return False
-        if got < len(hview):
-            recv_exact(conn.sock, hview[got:], time.monotonic() + self._frame_timeout)
-        return True
-
     def _serve(self, conn: Conn) -> None:
         sock = conn.sock
         header = bytearray(frames.REQUEST_SIZE)
         hview = memoryview(header)
-        responder = Responder(sock)
+        responder = Responder(sock, self._send_timeout)
         try:
-            while self._read_header(conn, hview) and self._table.busy(conn):
+            while self.gate.receive(sock, hview, self._idle_timeout) and self._table.busy(conn):
                 if self.rdma is not None and rdma_wire.is_hello(header):
                     self._table.idle(conn)  # a QP's lifeline: evictable, cut at once on stop
                     self.rdma.serve(sock, bytes(header))
                     return
-                try:
-                    op, blob = frames.decode_request(header)
-                    key = self._grant_key()
-                    if key is None:
-                        raise AccessDenied("slab is not registered with a manager yet")
-                    grant = grants.verify(blob, key, self._incarnation, len(self._buffer))
-                    if grant.op != op:
-                        raise AccessDenied("grant is for another operation")
-                    token = self.fence.enter(
-                        grant.offset,
-                        grant.length,
-                        grant.gen,
-                        claim=op is grants.Op.WRITE,
-                        abort=partial(_cut, sock),
-                    )
-                except ProtocolError as exc:
-                    self._refuse(sock, Status.BAD_REQUEST, str(exc))
+                if not self._transfer(conn, responder, header):
                     return
-                except AccessDenied as exc:
-                    self.stats.denied += 1
-                    self._refuse(sock, Status.DENIED, str(exc))
-                    return
-                # The payload may take as long as a slow but honest link needs, no longer.
-                deadline = time.monotonic() + self._frame_timeout + grant.length / MIN_RATE
-                region = self._buffer[grant.offset : grant.offset + grant.length]
-                try:
-                    if op is grants.Op.READ:
-                        responder.send(Status.OK, grant.length, region, deadline)
-                        self.stats.reads += 1
-                        self.stats.bytes_read += grant.length
-                    else:
-                        recv_exact(sock, region, deadline)
-                        responder.send(
-                            Status.OK, 0, None, deadline
-                        )  # through it too: keeps reads aligned
-                        self.stats.writes += 1
-                        self.stats.bytes_written += grant.length
-                finally:
-                    self.fence.leave(token)
-                region.release()
                 self._table.idle(conn)
                 if self._stopping:  # drained: no next request on this connection
                     return
@@ -302,7 +250,47 @@ class DataServer:
             if not self._stopping and not conn.evicted:
                 log.debug(Events.CONNECTION_CLOSED, error=str(exc))
         finally:
-            sock.close()
-            self._table.remove(conn)
+            self._table.remove(conn)  # before the close: the table may ask its socket
+            close(sock)
             with self._lock:
                 self._threads.discard(threading.current_thread())
+
+    def _transfer(self, conn: Conn, responder: Responder, header: bytearray) -> bool:
+        """One request, admitted and moved; False once it was refused (and answered)."""
+        admitted = self.gate.admit(conn.sock, header)
+        if admitted is None:
+            return False
+        try:
+            if admitted.op is grants.Op.WRITE:
+                self._write(conn, responder, admitted.grant)
+                return True
+            return self._read(conn, responder, admitted.grant)
+        finally:
+            self.fence.leave(admitted.token)
+
+    def _read(self, conn: Conn, responder: Responder, grant: grants.Grant) -> bool:
+        if not self._table.reserve(conn, grant.length):
+            self.stats.busy_reads += 1
+            limit = self._table.max_bytes_per_peer
+            refuse(conn.sock, Status.BUSY, f"this host has {limit} bytes of reads in flight")
+            return False
+        try:
+            with self._buffer[grant.offset : grant.offset + grant.length] as region:
+                responder.send(Status.OK, grant.length, region, self._deadline(grant))
+        finally:
+            self._table.sent(conn)
+        self.stats.reads += 1
+        self.stats.bytes_read += grant.length
+        return True
+
+    def _write(self, conn: Conn, responder: Responder, grant: grants.Grant) -> None:
+        deadline = self._deadline(grant)
+        with self._buffer[grant.offset : grant.offset + grant.length] as region:
+            recv_exact(conn.sock, region, deadline)
+        responder.send(Status.OK, 0, None, deadline)  # through it too: keeps reads aligned
+        self.stats.writes += 1
+        self.stats.bytes_written += grant.length
+
+    def _deadline(self, grant: grants.Grant) -> float:
+        """A payload may take as long as a slow but honest link needs, no longer."""
+        return time.monotonic() + self._frame_timeout + grant.length / MIN_RATE

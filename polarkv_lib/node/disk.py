@@ -2,8 +2,11 @@
 the slab buffer of the same process (paired sharding: no tiering byte leaves the VM).
 
 File layout: a 4096-byte header, then the payload (padded to 4096 bytes when O_DIRECT
-is on). The header holds magic, version, key, payload length and xxh3-64, so a file can
-be checked without trusting its name, and a restarted process can adopt what it finds.
+is on). The header holds magic, version, key, payload length, xxh3-64 and the tenant
+whose entry it is, so a file can be checked without trusting its name, and a restarted
+process can adopt what it finds. A file is named by its entry's identity (keys.ident:
+the key, `.tenant` after it for a tenant's entry), so two tenants' entries of one key
+are two files. Version 1 headers (no tenant) are the default tenant's.
 Files are written under a temporary name and renamed when complete: a crash leaves a
 `.tmp` that the start-up scan removes, never a short file under a real key.
 
@@ -27,20 +30,22 @@ import xxhash
 from polarkv_lib.errors import ConfigError
 from polarkv_lib.errors import DiskFailure as DiskFailure  # re-exported: callers meet it here
 from polarkv_lib.errors import Failure as Failure
-from polarkv_lib.keys import is_valid_key
+from polarkv_lib.keys import TENANT_NAME, ident, is_valid_ident, split_ident
 from polarkv_lib.tools.progress import progress
 from polarkv_lib.transport.sockio import pread_into, pwrite_all
 from polarkv_lib.wire.orders import FILE_ALIGN as ALIGN
 from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE  # the manager books with these
 
 MAGIC = b"PKVDISK1"
-VERSION = 1
-_HEADER = struct.Struct("<8sHH16sQQ")  # magic, version, header size, key, length, checksum
+VERSION = 2  # 1: no tenant (the default tenant's files)
+# magic, version, header size, key, length, checksum, then (version 2) the tenant
+_HEADER = struct.Struct("<8sHH16sQQ")
+_TENANT = struct.Struct("<B64s")
 
 
 @dataclass(frozen=True, slots=True)
 class FileInfo:
-    key: str
+    key: str  # the entry's identity (keys.ident)
     size: int
     checksum: str
     file_bytes: int
@@ -51,17 +56,27 @@ def _round_up(n: int) -> int:
 
 
 def encode_header(key: str, size: int, checksum: str) -> bytes:
-    body = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, bytes.fromhex(key), size, int(checksum, 16))
+    """The header of the file of the entry `key` (its identity)."""
+    tenant, plain = split_ident(key)
+    name = tenant.encode()
+    body = _HEADER.pack(MAGIC, VERSION, HEADER_SIZE, bytes.fromhex(plain), size, int(checksum, 16))
+    body += _TENANT.pack(len(name), name)
     return body + b"\0" * (HEADER_SIZE - len(body))
 
 
 def decode_header(raw: bytes | memoryview) -> FileInfo:
-    if len(raw) < _HEADER.size:
+    if len(raw) < _HEADER.size + _TENANT.size:
         raise DiskFailure(Failure.TRUNCATED, "file shorter than its header")
     magic, version, header_size, key, size, checksum = _HEADER.unpack_from(raw)
-    if magic != MAGIC or version != VERSION or header_size != HEADER_SIZE:
+    if magic != MAGIC or version not in (1, VERSION) or header_size != HEADER_SIZE:
         raise DiskFailure(Failure.BAD_HEADER, "not a PolarKV file")
-    return FileInfo(key.hex(), size, f"{checksum:016x}", 0)
+    tenant = ""
+    if version >= 2:
+        length, name = _TENANT.unpack_from(raw, _HEADER.size)
+        tenant = bytes(name[:length]).decode(errors="replace")
+        if tenant and not TENANT_NAME.fullmatch(tenant):
+            raise DiskFailure(Failure.BAD_HEADER, "header names no tenant")
+    return FileInfo(ident(tenant, key.hex()), size, f"{checksum:016x}", 0)
 
 
 @dataclass
@@ -95,7 +110,8 @@ class DiskStore:
     # -- layout -------------------------------------------------------------------------
 
     def path_for(self, key: str) -> str:
-        if not is_valid_key(key):  # keys become file names: nothing else gets near the disk
+        """Where the file of the entry `key` (its identity) lives."""
+        if not is_valid_ident(key):  # identities become file names: nothing else does
             raise ValueError(f"not a key: {key!r:.60}")
         root = self.paths[int(key[:8], 16) % len(self.paths)]
         return os.path.join(root, key[:2], key[2:4], key)
@@ -131,7 +147,7 @@ class DiskStore:
         if name.startswith(".polarkv"):
             return
         try:
-            if not is_valid_key(name) or self.path_for(name) != path:
+            if not is_valid_ident(name) or self.path_for(name) != path:
                 raise DiskFailure(Failure.BAD_HEADER, "not a key file in its place")
             with open(path, "rb") as fh:
                 info = decode_header(fh.read(HEADER_SIZE))

@@ -5,7 +5,10 @@ A slab keeps one link per URL in `slab.manager_url` (one per shard, DESIGN §11)
 over the same buffer, data server and disk: each shard manages its own arena of the
 buffer and its own share of the disk (manager/shard.py), so the links share nothing but
 the node's identity. Each link registers, heartbeats and re-registers on its own, so a
-shard that is down or restarting leaves the others' links untouched.
+shard that is down or restarting leaves the others' links untouched. Before its first
+registration a link asks its manager's /healthz which shard it is: a URL out of shard
+order stops the slab (exit 2, one line naming the URL) instead of registering its buffer
+and files with the wrong shard.
 
 Every call to a manager is bounded (`call_timeout`): a manager that accepts a connection
 and never answers costs one timeout, not the node. A node the manager declared dead, or
@@ -20,14 +23,15 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+import xxhash
 
 from polarkv_lib.client.control import ControlClient, RegisterRequest
 from polarkv_lib.config import Config
-from polarkv_lib.errors import AccessDenied, BadRequest, PolarKVError
+from polarkv_lib.errors import AccessDenied, BadRequest, ConfigError, PolarKVError
 from polarkv_lib.host import host_id
 from polarkv_lib.logs import Events, RateLimiter
 from polarkv_lib.node.disk_role import DiskRole
-from polarkv_lib.shards import Shard
+from polarkv_lib.shards import Shard, ShardOrderError
 
 if TYPE_CHECKING:
     from polarkv_lib.node.slab import SlabService
@@ -53,7 +57,10 @@ class ManagerLink:
         self.url = url
         self.shard = shard
         token = config.security.admin_token or config.security.token
-        self.control = ControlClient(url, token or None, breaker_interval=0, pool_limit=8)
+        # shard: the manager at `url` must say it is this link's shard (ShardOrderError)
+        self.control = ControlClient(
+            url, token or None, breaker_interval=0, pool_limit=8, shard=shard
+        )
         self.registered = asyncio.Event()
         self.registrations = 0
         self.disk: DiskRole | None = None
@@ -113,7 +120,9 @@ class ManagerLink:
                 Events.REGISTRATION_REFUSED, status=exc.status, error=str(exc), manager=self.url
             )
             return False
-        if not slab.take_grant_key(reg.grant_key):
+        if not slab.take_grant_key(self.shard.index, reg.grant_key, reg.manager_incarnation):
+            return False
+        if not await self._confirm():
             return False
         if reg.heartbeat_ttl is not None:
             self._interval = min(slab.config.slab.heartbeat_interval, reg.heartbeat_ttl / 3)
@@ -130,6 +139,28 @@ class ManagerLink:
             shard=str(self.shard),
         )
         slab.link_registered()
+        return True
+
+    async def _confirm(self) -> bool:
+        """A manager that restarted asks which of this node's memory extents still hold
+        the entries it has on record: those whose payload still hashes to the entry's
+        checksum (hashed off the loop, a batch at a time). Only those come back."""
+        buffer = self.slab.buffer
+        assert buffer is not None
+        view = buffer.view
+
+        def check(batch: list[tuple[int, int, str]]) -> list[tuple[int, str, bool]]:
+            return [(o, c, xxhash.xxh3_64_hexdigest(view[o : o + n]) == c) for o, n, c in batch]
+
+        held: list[tuple[int, str, bool]] = []
+        try:
+            while batch := await self.control.confirm(
+                self.slab.ref, held, time.monotonic() + self._timeout
+            ):
+                held = await asyncio.to_thread(check, batch)
+        except PolarKVError as exc:
+            log.warning(Events.REGISTRATION_REFUSED, error=str(exc), manager=self.url)
+            return False
         return True
 
     async def _adopt(self) -> bool:
@@ -175,6 +206,9 @@ class ManagerLink:
             try:
                 await self._beat()
                 self._down.clear(Events.MANAGER_UNREACHABLE)
+            except ShardOrderError as exc:  # slab.manager_url out of order: stop the node
+                self.slab.fail(ConfigError(f"slab.manager_url: {exc}"))
+                return
             except PolarKVError as exc:  # unreachable, timed out, refused: keep knocking
                 self._down.warning(
                     Events.MANAGER_UNREACHABLE,

@@ -23,15 +23,17 @@ import structlog
 
 from polarkv_lib.client.control import NodeRef
 from polarkv_lib.config import Config
+from polarkv_lib.errors import ConfigError
 from polarkv_lib.logs import Events
+from polarkv_lib.node.admission import Gate
 from polarkv_lib.node.buffer import SlabBuffer
 from polarkv_lib.node.dataserver import DataServer
 from polarkv_lib.node.disk import DiskStore
-from polarkv_lib.node.fence import Fence
 from polarkv_lib.node.manager_link import ManagerLink, call_timeout
 from polarkv_lib.node.rdma_server import RdmaServer
 from polarkv_lib.node.rdma_server import start as start_rdma
 from polarkv_lib.shards import Shard, split_urls
+from polarkv_lib.wire.grants import epoch_key
 
 log = structlog.get_logger("polarkv.slab")
 
@@ -49,8 +51,14 @@ class SlabService:
         self.server: DataServer | None = None
         self.rdma: RdmaServer | None = None
         self.registered = asyncio.Event()  # set once every shard has registered this node
+        # A configuration mistake found while running (shard URLs out of order): the
+        # runner stops the process and exits with it.
+        self.failure: ConfigError | None = None
+        self.failed = asyncio.Event()
         self._fixed_key = config.security.grant_key.encode() if config.security.grant_key else None
-        self._grant_key: bytes | None = self._fixed_key
+        # Per manager shard, the key its current incarnation signs grants with: a grant
+        # of a manager that has since restarted verifies with none of them.
+        self._grant_keys: dict[int, bytes] = {}
         urls = split_urls(config.slab.manager_url)
         self.links = [ManagerLink(self, url, Shard(i, len(urls))) for i, url in enumerate(urls)]
 
@@ -84,22 +92,19 @@ class SlabService:
         self.buffer = await asyncio.to_thread(
             SlabBuffer, s.shm_dir, self.node_id, self.incarnation, s.memory
         )
-        fence = Fence(self.buffer.size)  # one for every path into the buffer
+        # One gate (and so one fence) for every request on the data port, tcp or rdma.
+        gate = Gate(self.buffer.size, self.incarnation, self.grant_keys, s.frame_timeout)
         if "rdma" in s.transports:  # registering a large buffer takes a while: off the loop
             self.rdma = await asyncio.to_thread(
                 start_rdma,
                 self.buffer.view,
-                self.incarnation,
-                lambda: self._grant_key,
+                gate,
                 s.rdma_device,
                 s.rdma_port,
                 s.rdma_gid_index,
                 s.rdma_windows,
-                fence,
             )
-        self.server = DataServer(
-            sock, self.buffer.view, self.incarnation, lambda: self._grant_key, s, fence, self.rdma
-        )
+        self.server = DataServer(sock, self.buffer.view, gate, s, self.rdma)
         self.server.start()
         for link in self.links:
             link.start()
@@ -125,17 +130,28 @@ class SlabService:
             self.buffer.close()
         log.info(Events.SLAB_STOPPED, node=self.node_id)
 
-    def take_grant_key(self, key: bytes | None) -> bool:
-        """A registration's grant key: kept unless one is configured. False: unusable."""
-        if self._fixed_key is not None:
-            return True
-        if key is None:
+    def take_grant_key(self, shard: int, key: bytes | None, manager_incarnation: int) -> bool:
+        """A registration with shard `shard`: the key its manager incarnation signs with,
+        from the configured grant key or else the one the manager shares. False: none."""
+        base = self._fixed_key if self._fixed_key is not None else key
+        if base is None:
             log.error(Events.NO_GRANT_KEY)
             return False
-        if self._grant_key is not None and key != self._grant_key:
-            log.info(Events.GRANT_KEY_CHANGED, node=self.node_id)
-        self._grant_key = key
+        epoch = epoch_key(base, manager_incarnation)
+        if shard in self._grant_keys and self._grant_keys[shard] != epoch:
+            log.info(Events.GRANT_KEY_CHANGED, node=self.node_id, shard=shard)
+        self._grant_keys[shard] = epoch
         return True
+
+    def grant_keys(self) -> tuple[bytes, ...]:
+        """The keys a grant may verify with now: one per registered manager shard."""
+        return tuple(self._grant_keys.values())
+
+    def fail(self, error: ConfigError) -> None:
+        if self.failure is None:
+            log.error(Events.SLAB_MISCONFIGURED, error=str(error))
+            self.failure = error
+            self.failed.set()
 
     def link_registered(self) -> None:
         if all(link.registered.is_set() for link in self.links):
@@ -143,7 +159,8 @@ class SlabService:
 
     def stats(self) -> dict[str, int]:
         assert self.server is not None
-        out = {f"data_{k}": v for k, v in vars(self.server.stats).items()}
+        counts = vars(self.server.stats) | vars(self.server.gate.stats)
+        out = {f"data_{k}": v for k, v in counts.items()}
         if self.rdma is not None:
             out.update(vars(self.rdma.stats))
         roles = [link.disk for link in self.links if link.disk is not None]

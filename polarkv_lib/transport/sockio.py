@@ -1,6 +1,8 @@
 """Partial I/O, written once: fill a buffer from a socket, send a list of buffers, both
 bounded by an absolute deadline; the same bookkeeping for vectored file writes; and
-the accept loop of a threaded server.
+the accept loop of a threaded server, with what it does to the connections it serves
+(answer a refusal, cut one short from another thread, close one whose peer stopped
+reading).
 
 Sockets stay in blocking mode and deadlines are enforced by the kernel (SO_RCVTIMEO /
 SO_SNDTIMEO, re-armed with the time left before every blocking call), not by Python's
@@ -16,16 +18,28 @@ raises NetworkError; other socket errors stay OSError for the caller to map.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import socket
 import struct
+import termios
 import time
 from collections.abc import Callable, Sequence
 
 from polarkv_lib.errors import NetworkError, OperationTimeout
+from polarkv_lib.wire import frames
+from polarkv_lib.wire.frames import Status
 
 _TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux and the BSDs (time_t, suseconds_t)
+_FOREVER = _TIMEVAL.pack(0, 0)  # a zero timeval: no timeout
+_LINGER_RESET = struct.pack("@ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, drops the queue
+_COUNT = struct.Struct("@i")
+# A stalled send is noticed within this fraction of its bound: each wait on the peer
+# lasts at most bound * STALL_SLICE before the loop looks at the clock again.
+STALL_SLICE = 0.25
+REFUSAL_WAIT = 1.0  # seconds a refusal is given to leave; it is a courtesy, never waited on
 
 # accept() errors that mean "out of resources for now", not "the socket is gone".
 RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -66,10 +80,14 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
         raise OperationTimeout(f"received {got} of {n} bytes before the deadline") from None
 
 
-def recv_some(sock: socket.socket, view: memoryview, wait: float) -> int:
-    """Up to len(view) bytes, waiting at most `wait` seconds for the first; 0 on a clean
-    end of stream. Raises OperationTimeout if nothing arrived in time."""
-    arm_seconds(sock, socket.SO_RCVTIMEO, wait)
+def recv_some(sock: socket.socket, view: memoryview, wait: float | None) -> int:
+    """Up to len(view) bytes, waiting at most `wait` seconds for the first (None: for as
+    long as the peer likes); 0 on a clean end of stream. Raises OperationTimeout if
+    nothing arrived in time."""
+    if wait is None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _FOREVER)
+    else:
+        arm_seconds(sock, socket.SO_RCVTIMEO, wait)
     try:
         return sock.recv_into(view, len(view))
     except BlockingIOError:
@@ -87,17 +105,33 @@ def advance(parts: list[memoryview], n: int) -> list[memoryview]:
 
 
 def send_all(
-    sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview], deadline: float
+    sock: socket.socket,
+    parts: Sequence[bytes | bytearray | memoryview],
+    deadline: float,
+    stall: float | None = None,
 ) -> None:
     """Send `parts` back to back: one sendmsg, so a header and its payload leave in one
-    call (and the header never travels as a segment of its own)."""
+    call (and the header never travels as a segment of its own). With `stall`, a peer
+    that takes nothing for that many seconds fails the send before the deadline: a
+    reader that stopped reading is told apart from a slow one."""
     views = [memoryview(p) for p in parts if len(p)]
-    try:
-        while views:
-            arm(sock, socket.SO_SNDTIMEO, deadline)
-            views = advance(views, sock.sendmsg(views))
-    except BlockingIOError:  # SO_SNDTIMEO ran out: the peer is not reading
-        raise OperationTimeout("the peer did not take the data before the deadline") from None
+    moved = time.monotonic()  # when the peer last took something
+    while views:
+        wait = remaining(deadline)
+        if stall is not None:
+            wait = min(wait, stall * STALL_SLICE)
+        arm_seconds(sock, socket.SO_SNDTIMEO, wait)
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:  # SO_SNDTIMEO ran out with nothing sent
+            sent = 0
+        if sent:
+            moved = time.monotonic()
+            views = advance(views, sent)
+        elif stall is None:
+            raise OperationTimeout("the peer did not take the data before the deadline")
+        elif time.monotonic() - moved >= stall:
+            raise OperationTimeout(f"the peer took nothing for {stall:g}s")
 
 
 def pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
@@ -119,6 +153,37 @@ def pread_into(fd: int, view: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+def unsent(sock: socket.socket) -> int:
+    """Bytes the kernel still holds for the peer: not sent, or sent and not acknowledged
+    (SIOCOUTQ); 0 where it cannot tell, or once the socket is closed."""
+    try:
+        return int(_COUNT.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0])
+    except (OSError, ValueError):  # ValueError: closed (fileno() is -1)
+        return 0
+
+
+def refuse(sock: socket.socket, status: Status, reason: str) -> None:
+    """Answer a request with an error and its reason; the caller then closes."""
+    with contextlib.suppress(OSError, OperationTimeout):
+        send_all(sock, [frames.encode_refusal(status, reason)], time.monotonic() + REFUSAL_WAIT)
+
+
+def cut(sock: socket.socket) -> None:
+    """Cut a connection short from another thread: its blocked send or receive fails."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def close(sock: socket.socket) -> None:
+    """Close a served connection. What the peer has not read of a refusal still goes
+    out; more than that (a payload it stopped reading) is dropped at once with a reset,
+    where a plain close would leave the kernel holding it until it gives up on the peer."""
+    if unsent(sock) > frames.MAX_REFUSAL:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    sock.close()
 
 
 def accept_loop(

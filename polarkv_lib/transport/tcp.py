@@ -93,7 +93,7 @@ class TcpTransport(Transport):
             answered = True
             status, length = frames.decode_response(header)
             if status is not Status.OK:
-                reason = bytearray(min(length, 4096))
+                reason = bytearray(min(length, frames.MAX_REASON))
                 try:
                     recv_exact(sock, memoryview(reason), deadline)
                 except (OSError, NetworkError, OperationTimeout):

@@ -14,7 +14,8 @@ from typing import Any
 import orjson
 
 from polarkv_lib.errors import BadRequest
-from polarkv_lib.keys import is_valid_key
+from polarkv_lib.keys import is_valid_ident, is_valid_key
+from polarkv_lib.wire.orders import OrderResult
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _LEASE = re.compile(r"[0-9a-f]{16,64}")
@@ -96,18 +97,25 @@ def _wait(body: dict[str, Any], default: float) -> float:
     return float(value)
 
 
+def _continued(body: dict[str, Any]) -> str | None:
+    """The lease of the same stream, from its previous window (`continue`)."""
+    value = _field(body, "continue", (str, type(None)), None)
+    return None if value is None else _lease(value, "continue")
+
+
 @dataclass(frozen=True, slots=True)
 class LookupRequest:
     keys: list[str]
     lease: bool
     wait: float
+    resume: str | None = None  # `continue`: this stream's read lease, its last window read
 
 
 def parse_lookup(body: dict[str, Any], limits: Limits) -> LookupRequest:
-    _only(body, {"keys", "lease", "wait"})
-    return LookupRequest(
-        _keys(body, "keys", limits), _field(body, "lease", bool, True), _wait(body, 1.0)
-    )
+    _only(body, {"keys", "lease", "wait", "continue"})
+    lease = _field(body, "lease", bool, True)
+    resume = _continued(body)  # a probe ('lease': false) holds nothing, so continues nothing
+    return LookupRequest(_keys(body, "keys", limits), lease, _wait(body, 1.0), resume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +128,12 @@ class AllocateItem:
 class AllocateRequest:
     items: list[AllocateItem]
     wait: float
+    resume: str | None = None  # `continue`: the store's write lease from its earlier windows
+    more: bool = False  # more windows of the same store follow
 
 
 def parse_allocate(body: dict[str, Any], limits: Limits) -> AllocateRequest:
-    _only(body, {"items", "wait"})
+    _only(body, {"items", "wait", "continue", "more"})
     out = []
     for i, item in enumerate(_batch(body, "items", limits)):
         if not isinstance(item, dict):
@@ -141,17 +151,20 @@ def parse_allocate(body: dict[str, Any], limits: Limits) -> AllocateRequest:
                 413,
             )
         out.append(AllocateItem(key, size))
-    return AllocateRequest(out, _wait(body, 0.0))
+    return AllocateRequest(
+        out, _wait(body, 0.0), _continued(body), _field(body, "more", bool, False)
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class CommitRequest:
     lease: str
     items: list[tuple[str, str]]  # (key, checksum as 16 hex chars)
+    more: bool = False  # the store goes on under this lease
 
 
 def parse_commit(body: dict[str, Any], limits: Limits) -> CommitRequest:
-    _only(body, {"lease", "items"})
+    _only(body, {"lease", "items", "more"})
     lease = _lease(_field(body, "lease", str), "lease")
     items = []
     for i, item in enumerate(_batch(body, "items", limits)):
@@ -163,7 +176,7 @@ def parse_commit(body: dict[str, Any], limits: Limits) -> CommitRequest:
         if not isinstance(checksum, str) or not _HEX16.fullmatch(checksum):
             raise BadRequest(f"items[{i}].checksum must be 16 lowercase hex characters (xxh3-64)")
         items.append((key, checksum))
-    return CommitRequest(lease, items)
+    return CommitRequest(lease, items, _field(body, "more", bool, False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +305,24 @@ def parse_node_ref(body: dict[str, Any], extra: tuple[str, ...] = ()) -> NodeRef
     return NodeRef(_node_id(body), _incarnation(body))
 
 
+def parse_confirm(
+    body: dict[str, Any], limits: Limits
+) -> tuple[NodeRef, list[tuple[int, str, bool]]]:
+    """A slab's answers to the manager's checks of its memory extents after a restart:
+    `held` lists {offset, checksum, ok} (the payload there still hashes to it)."""
+    out = []
+    for i, item in enumerate(_batch(body, "held", limits, allow_empty=True)):
+        where = f"held[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} must be an object with offset, checksum and ok")
+        _only(item, {"offset", "checksum", "ok"}, where)
+        checksum = _field(item, "checksum", str)
+        if not _HEX16.fullmatch(checksum):
+            raise BadRequest(f"{where}.checksum must be 16 lowercase hex characters")
+        out.append((_nonnegative(item, "offset"), checksum, _field(item, "ok", bool)))
+    return parse_node_ref(body, ("held",)), out
+
+
 def parse_heartbeat(body: dict[str, Any]) -> tuple[NodeRef, dict[str, int]]:
     stats = _field(body, "stats", dict, {})
     if len(stats) > 256 or not all(
@@ -302,55 +333,12 @@ def parse_heartbeat(body: dict[str, Any]) -> tuple[NodeRef, dict[str, int]]:
     return parse_node_ref(body, ("stats",)), stats
 
 
-@dataclass(frozen=True, slots=True)
-class OrderResult:
-    op: str
-    key: str
-    gen: int
-    ok: bool
-    reason: str
-    file_bytes: int
-    seconds: float
-
-
-_OPS = ("offload", "reload", "delete")
-
-
 def parse_done(body: dict[str, Any], limits: Limits) -> tuple[NodeRef, list[OrderResult]]:
-    out = []
-    for i, item in enumerate(_batch(body, "results", limits)):
-        where = f"results[{i}]"
-        if not isinstance(item, dict):
-            raise BadRequest(f"{where} must be an object")
-        _only(item, {"op", "key", "gen", "ok", "reason", "file_bytes", "seconds"}, where)
-        op, ok, reason = item.get("op"), item.get("ok"), item.get("reason", "")
-        gen, file_bytes, seconds = (
-            item.get("gen"),
-            item.get("file_bytes", 0),
-            item.get("seconds", 0.0),
-        )
-        if op not in _OPS:
-            raise BadRequest(f"{where}.op must be one of {', '.join(_OPS)}")
-        if not isinstance(ok, bool) or not isinstance(reason, str) or len(reason) > 64:
-            raise BadRequest(f"{where} needs 'ok' (bool) and an optional short 'reason'")
-        for name, value in (("gen", gen), ("file_bytes", file_bytes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise BadRequest(f"{where}.{name} must be a non-negative integer")
-        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
-            raise BadRequest(f"{where}.seconds must be a non-negative number")
-        assert isinstance(gen, int) and isinstance(file_bytes, int)
-        out.append(
-            OrderResult(
-                op,
-                _key(item.get("key"), f"{where}.key"),
-                gen,
-                ok,
-                reason,
-                file_bytes,
-                float(seconds),
-            )
-        )
-    return parse_node_ref(body, ("results",)), out
+    results = [
+        OrderResult.from_json(item, f"results[{i}]")
+        for i, item in enumerate(_batch(body, "results", limits))
+    ]
+    return parse_node_ref(body, ("results",)), results
 
 
 def parse_orders(body: dict[str, Any]) -> tuple[NodeRef, float]:
@@ -375,5 +363,9 @@ def parse_adopt(
             raise BadRequest(f"{where}.size is above the maximum object size")
         if not isinstance(checksum, str) or not _HEX16.fullmatch(checksum):
             raise BadRequest(f"{where}.checksum must be 16 lowercase hex characters")
-        files.append((_key(item.get("key"), f"{where}.key"), size, checksum, file_bytes))
+        key = item.get("key")
+        if not is_valid_ident(key):
+            raise BadRequest(f"{where}.key: not an entry's identity: {key!r:.80}")
+        assert isinstance(key, str)
+        files.append((key, size, checksum, file_bytes))
     return parse_node_ref(body, ("files",)), files

@@ -4,7 +4,8 @@ Request (little-endian):  magic "PK" | version u8 | op u8 | grant (GRANT_SIZE by
   WRITE: followed by exactly grant.length payload bytes.
 Response:                 magic "PK" | status u8 | 0 u8 | length u64
   OK + READ: followed by `length` payload bytes; OK + WRITE: length 0.
-  error: followed by `length` bytes of UTF-8 reason; the server then closes.
+  error: followed by `length` bytes of UTF-8 reason (at most MAX_REASON); the server
+  then closes.
 
 A request always covers its whole grant, so the frame needs no offset of its own and a
 client can only ever touch what the manager gave it.
@@ -24,6 +25,8 @@ _REQ = struct.Struct(f"<2sBB{GRANT_SIZE}s")
 _RESP = struct.Struct("<2sBxQ")
 REQUEST_SIZE = _REQ.size
 RESPONSE_SIZE = _RESP.size
+MAX_REASON = 4096  # bytes of an error's reason: servers cut longer ones, clients read no more
+MAX_REFUSAL = RESPONSE_SIZE + MAX_REASON
 
 
 class Status(IntEnum):
@@ -52,6 +55,12 @@ def decode_request(frame: bytes | bytearray | memoryview) -> tuple[Op, bytes]:
 
 def encode_response(status: Status, length: int = 0) -> bytes:
     return _RESP.pack(MAGIC, status, length)
+
+
+def encode_refusal(status: Status, reason: str) -> bytes:
+    """An error response and its reason, cut to MAX_REASON bytes (and to whole characters)."""
+    msg = reason.encode()[:MAX_REASON].decode(errors="ignore").encode()
+    return _RESP.pack(MAGIC, status, len(msg)) + msg
 
 
 def decode_response(frame: bytes | bytearray | memoryview) -> tuple[Status, int]:

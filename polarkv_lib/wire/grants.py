@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from hashlib import sha256
@@ -31,8 +32,9 @@ class Op(IntEnum):
 
 
 _BODY = struct.Struct("<B3xQQQQQ")  # op, incarnation, offset, length, expires_ms, gen
+SIGNED_SIZE = _BODY.size  # what the MAC covers
 MAC_SIZE = 16
-GRANT_SIZE = _BODY.size + MAC_SIZE
+GRANT_SIZE = SIGNED_SIZE + MAC_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,15 @@ class Grant:
         return _BODY.pack(
             self.op, self.incarnation, self.offset, self.length, self.expires_ms, self.gen
         )
+
+
+def epoch_key(grant_key: bytes, manager_incarnation: int) -> bytes:
+    """The key one manager incarnation signs with: derived from the grant key and its
+    incarnation (given to slabs as they register), so that no grant outlives the manager
+    process that issued it, even with a configured `security.grant_key`."""
+    return hmac.new(
+        grant_key, b"polarkv-epoch" + manager_incarnation.to_bytes(8, "little"), sha256
+    ).digest()
 
 
 def sign(grant: Grant, key: bytes) -> bytes:
@@ -67,17 +78,22 @@ def decode(blob: bytes | bytearray | memoryview) -> Grant:
 
 def verify(
     blob: bytes | bytearray | memoryview,
-    key: bytes,
+    keys: bytes | Sequence[bytes],
     incarnation: int,
     buffer_size: int,
     now_ms: int | None = None,
 ) -> Grant:
-    """Return the grant if it is genuine and usable on this slab, else raise AccessDenied."""
+    """Return the grant if it is genuine (signed with one of `keys`: each manager shard's
+    current epoch key) and usable on this slab, else raise AccessDenied."""
     if len(blob) != GRANT_SIZE:
         raise ProtocolError(f"a grant is {GRANT_SIZE} bytes, got {len(blob)}")
-    body = bytes(blob[: _BODY.size])
-    expected = hmac.new(key, body, sha256).digest()[:MAC_SIZE]
-    if not hmac.compare_digest(expected, bytes(blob[_BODY.size :])):
+    body = bytes(blob[:SIGNED_SIZE])
+    mac = bytes(blob[SIGNED_SIZE:])
+    candidates = (keys,) if isinstance(keys, bytes) else keys
+    if not any(
+        hmac.compare_digest(hmac.new(key, body, sha256).digest()[:MAC_SIZE], mac)
+        for key in candidates
+    ):
         raise AccessDenied("grant signature does not verify")
     grant = decode(blob)  # only a genuine grant is parsed
     if grant.incarnation != incarnation:

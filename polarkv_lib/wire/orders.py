@@ -19,7 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from polarkv_lib.errors import BadRequest
-from polarkv_lib.keys import is_valid_key
+from polarkv_lib.keys import is_valid_ident
 
 # A key file is this header, then the payload; with O_DIRECT the payload is padded to
 # FILE_ALIGN. The manager books the padded size, the most a file can take.
@@ -54,9 +54,10 @@ def _op(obj: dict[str, Any], where: str) -> TierOp:
 
 
 def _key(obj: dict[str, Any], where: str) -> str:
+    """An entry's identity (keys.ident): its key, and `.tenant` for a tenant's entry."""
     key = obj.get("key")
-    if not isinstance(key, str) or not is_valid_key(key):
-        raise BadRequest(f"{where}.key must be 32 lowercase hex characters")
+    if not isinstance(key, str) or not is_valid_ident(key):
+        raise BadRequest(f"{where}.key must be 32 lowercase hex characters (and .tenant)")
     return key
 
 

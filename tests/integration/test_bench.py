@@ -126,7 +126,7 @@ def test_manager_tiny_run_restarts_with_every_entry(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     doc = json.loads(out.read_bytes())
-    assert {r["op"] for r in doc["rows"]} == {"lookup", "allocate"}
+    assert {r["op"] for r in doc["rows"]} == {"lookup", "allocate, 90% leased", "allocate"}
     assert all(r["ours"][0] > 0 and r["base"][0] > 0 for r in doc["rows"])
     (table,) = doc["tables"]
     assert table["restored"] == 2048 and 0 < table["first_hit_s"] <= table["restored_s"] + 0.5

@@ -9,6 +9,7 @@ import threading
 import time
 
 from polarkv_lib.config import SlabConfig
+from polarkv_lib.node.admission import Gate
 from polarkv_lib.node.dataserver import DataServer
 from polarkv_lib.transport.sockio import recv_exact
 from polarkv_lib.wire import frames, grants
@@ -28,7 +29,9 @@ def _write_grant(offset: int, length: int) -> bytes:
 def test_a_request_in_flight_finishes_and_idle_connections_close() -> None:
     buffer = bytearray(SIZE)
     listener = socket.create_server(("127.0.0.1", 0))
-    server = DataServer(listener, memoryview(buffer), INCARNATION, lambda: KEY, SlabConfig())
+    limits = SlabConfig()
+    gate = Gate(SIZE, INCARNATION, lambda: (KEY,), limits.frame_timeout)
+    server = DataServer(listener, memoryview(buffer), gate, limits)
     server.start()
     address = listener.getsockname()
     idle = socket.create_connection(address, timeout=5)

@@ -131,7 +131,7 @@ async def test_a_restarted_manager_with_default_config_serves_tcp_again(
         assert await client.put(other, data[::-1])
         assert await client.get(other) == data[::-1]
         assert client.stats.faults == 0
-        assert slab.server is not None and slab.server.stats.denied == 0
+        assert slab.server is not None and slab.server.gate.stats.denied == 0
 
 
 class HangingProxy:

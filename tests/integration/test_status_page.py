@@ -13,15 +13,12 @@ import shutil
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
-from selenium import webdriver
 from selenium.common.exceptions import WebDriverException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
@@ -29,41 +26,12 @@ from polarkv_lib.client import PolarKVClient
 from polarkv_lib.manager.openapi import openapi_spec
 from polarkv_lib.wire import frames
 from polarkv_lib.wire.grants import Op
-from tests.conftest import ROOT, Cluster, http, wait_for
+from tests.browser import browser as browser  # the fixture: a real chromium
+from tests.conftest import ROOT, Cluster, free_port, http, wait_for
 from tests.integration.raw import key, only, post, raw, write
 
 TOKEN, ADMIN = "page-token", "page-admin-token"
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--window-size=1280,1100",
-]
 SCREENSHOT = ROOT / "docs" / "status-page.png"
-
-
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[WebDriver]:
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        pytest.fail("chromium and chromedriver are missing: run scripts/setup-browser")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
-    driver.set_page_load_timeout(30)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 class Load:
@@ -275,25 +243,8 @@ def test_page_files_are_public_and_numbers_are_not(cluster: Cluster) -> None:
         assert http("GET", url + path)[0] == 404
     assert http("GET", url + "/v1/stats")[0] == 401
     assert http("GET", url + "/v1/events")[0] == 401
-    # the page on another shard's origin may read this one (CORS), with the token
-    req = urllib.request.Request(
-        url + "/v1/stats",
-        method="OPTIONS",
-        headers={
-            "Origin": "http://other:8170",
-            "Access-Control-Request-Method": "GET",
-            "Access-Control-Request-Headers": "authorization",
-        },
-    )
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status == 204
-        assert resp.headers["Access-Control-Allow-Origin"] == "*"
-        assert "Authorization" in resp.headers["Access-Control-Allow-Headers"]
-    with urllib.request.urlopen(
-        urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"}),
-        timeout=5,
-    ) as resp:
-        assert resp.headers["Access-Control-Allow-Origin"] == "*"
+    # a page from an origin that is not one of this manager's shards may not read it
+    assert cors(url, "http://other:8170")["Access-Control-Allow-Origin"] is None
     # drain is an admin write: the reader token may not
     assert http("POST", url + "/v1/nodes/x/drain", {}, token=TOKEN)[0] == 403
 
@@ -339,12 +290,41 @@ def test_events_feed(cluster: Cluster) -> None:
     assert kinds.count("node_draining") == 1
 
 
+def cors(url: str, origin: str) -> Any:
+    """The headers of the CORS preflight a page from `origin` sends before reading
+    `url`/v1/stats with its token."""
+    req = urllib.request.Request(
+        url + "/v1/stats",
+        method="OPTIONS",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "GET",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 204
+        return resp.headers
+
+
 @pytest.mark.slow
 def test_one_page_over_several_shards(cluster: Cluster, browser: WebDriver) -> None:
     key = "k" * 32  # the grant key: the same on every shard and slab
-    shard0 = cluster.manager(manager__shard="0/2", security__grant_key=key)
-    shard1 = cluster.manager(manager__shard="1/2", security__grant_key=key)
-    urls = [shard0.manager_url, shard1.manager_url]
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    shards = {"security__grant_key": key, "manager__shard_urls": ",".join(urls)}
+    shard0 = cluster.manager(
+        manager__shard="0/2", manager__listen=f"127.0.0.1:{ports[0]}", **shards
+    )
+    shard1 = cluster.manager(
+        manager__shard="1/2", manager__listen=f"127.0.0.1:{ports[1]}", **shards
+    )
+    assert [shard0.manager_url, shard1.manager_url] == urls
+    # each shard's page may read the other (CORS for the listed origins only)
+    headers = cors(urls[1], urls[0])
+    assert headers["Access-Control-Allow-Origin"] == urls[0]
+    assert "Authorization" in headers["Access-Control-Allow-Headers"]
+    assert cors(urls[0], "http://127.0.0.1:1")["Access-Control-Allow-Origin"] is None
     cluster.start(
         ["slab", "disk"],
         {"slab.manager_url": ",".join(urls), "slab.memory": "32MiB", "security.grant_key": key},
@@ -362,7 +342,7 @@ def test_one_page_over_several_shards(cluster: Cluster, browser: WebDriver) -> N
     per_shard = [http("GET", url + "/v1/stats")[1] for url in urls]
     assert all(s["keys_memory"] for s in per_shard)
 
-    browser.get(urls[0] + "/?interval=500&shards=" + ",".join(urls))
+    browser.get(urls[0] + "/?interval=500")  # the shards come from the manager
     wait_for(lambda: browser.find_element(By.ID, "view").is_displayed())
 
     def shows(field: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.model import AllocStatus, Node, Residency
 from polarkv_lib.wire.orders import Order, TierOp
+from tests.unit.drive import allocate, answer, finish_lookup, lookup, start_lookup
 from tests.unit.test_tiering import CHUNK, FILE, K, add, new_md, store
 
 
@@ -24,10 +25,10 @@ def test_drain_offloads_memory_only_entries_and_places_nothing_new() -> None:
     orders = offloads(md, a)
     assert sorted(o.key for o in orders) == sorted(K[:4])
     # a draining node gets no new extents: with no other node, writes find no space
-    results, _ = md.allocate([(K[10], CHUNK)])
+    results, _ = allocate(md, [(K[10], CHUNK)])
     assert results[0].status is AllocStatus.NO_SPACE
     b = add(md, "b", 10)
-    results, _ = md.allocate([(K[11], CHUNK)])
+    results, _ = allocate(md, [(K[11], CHUNK)])
     assert results[0].entry is not None and results[0].entry.node is b
     for order in orders:  # the disk role reports the files written
         md.offload_done("a", order.key, order.gen, True, file_bytes=FILE)
@@ -35,7 +36,7 @@ def test_drain_offloads_memory_only_entries_and_places_nothing_new() -> None:
     assert view["drained"] and view["keys_memory"] == 0 and view["keys_disk"] == 4
     assert a.allocator.used == 0 and all(md.get(k).residency is Residency.DISK for k in K[:4])  # type: ignore[union-attr]
     # a disk hit on a draining node is not reloaded into its memory: a miss
-    hits, lease = md.lookup([K[0]], True)
+    hits, lease = lookup(md, [K[0]], True)
     assert hits == [] and lease is None and a.allocator.used == 0
 
 
@@ -48,10 +49,11 @@ def test_clean_copies_drop_at_once_and_leased_entries_wait() -> None:
         md.offload_done("a", order.key, order.gen, True, file_bytes=FILE)
     assert md.drain_view(a)["drained"]
     a.draining = False  # back in service (as a restarted node would be)
-    hits, lease = md.lookup(K[:2], True)  # reloads K0, K1 into memory
-    for order in md.take_orders("a"):
-        md.reload_done("a", order.key, order.gen, True)
-    assert lease is not None and len(hits) == 2 and md.get(K[0]).residency is Residency.BOTH  # type: ignore[union-attr]
+    op, _ = start_lookup(md, K[:2])  # reloads K0 into memory, and K1 read ahead
+    answer(md, md.take_orders("a"))
+    lease = finish_lookup(md, op).lease
+    assert lease is not None and op.served == [md.get(K[0])] and op.more
+    assert md.get(K[0]).residency is md.get(K[1]).residency is Residency.BOTH  # type: ignore[union-attr]
     md.drain("a")
     assert offloads(md, a) == []  # clean copies need no offload ...
     assert md.drain_view(a)["keys_memory"] == 2  # ... but these two are read right now

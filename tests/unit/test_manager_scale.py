@@ -1,5 +1,6 @@
 """The manager core at 200k entries: allocating on a full node, planning offloads and
-evicting files cost what they free, and a restore runs in short slices.
+evicting files cost what they free (however many of the entries are being read), and a
+restore runs in short slices.
 
 The bound is on work, not time: the LRUs are swapped for dicts that count the entries
 handed out by their iterators, so a plan that walks the whole table fails however fast
@@ -18,7 +19,7 @@ import pytest
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.model import AllocStatus, Entry, Node
 from polarkv_lib.manager.rows import NodeRow
-from polarkv_lib.manager.snapshot import synthetic_rows
+from tests.unit.drive import allocate, confirm_all, lookup, synthetic_rows
 
 N = 200_000
 SIZE = 4096
@@ -58,7 +59,8 @@ def full_core(count: int, *, disk: bool = False, on_disk: bool = False) -> tuple
     md.restore([row], synthetic_rows(row, count, SIZE, on_disk=on_disk))
     started = time.perf_counter()
     node, _ = md.register("n1", 1, row.address, row.capacity, "", "h", ["tcp"], row.disk_capacity)
-    assert md.restoring and node.restoring  # register did one slice, not all of it
+    assert confirm_all(md, "n1", 1) == count  # its buffer survived: every row still holds
+    assert md.restoring and node.restoring  # nothing restored before the slab answered
     slices = [time.perf_counter() - started]
     restored = [len(node.entries)]
     while True:
@@ -83,13 +85,25 @@ def new_keys(n: int) -> list[str]:
     return [f"{i:032x}" for i in range(n)]
 
 
-def test_allocating_on_a_full_node_evicts_only_what_it_needs() -> None:
+def lease_most(md: Metadata, node: Node) -> str:
+    """Nine in ten of the node's entries, the least recently used ones, are read now."""
+    cold = list(node.lru)[: N * 9 // 10]
+    hits, lease = lookup(md, cold, take_lease=True)
+    assert len(hits) == len(cold) and lease is not None
+    assert len(node.lru) == N - len(cold), len(node.lru)  # out of the eviction order while read
+    return lease
+
+
+@pytest.mark.parametrize("leased", [False, True])
+def test_allocating_on_a_full_node_evicts_only_what_it_needs(leased: bool) -> None:
     md, node = full_core(N)
     assert node.allocator.free == 0
+    if leased:  # the walk never steps over entries being read
+        lease_most(md, node)
     counted(node)
     for batch in range(10):
         keys = new_keys(64 * (batch + 1))[-64:]
-        results, lease = md.allocate([(k, SIZE) for k in keys])
+        results, lease = allocate(md, [(k, SIZE) for k in keys])
         assert all(r.status is AllocStatus.ALLOCATED for r in results) and lease
         md.commit(lease, [(k, "0123456789abcdef") for k in keys])
     assert md.counters.evictions == 640
@@ -99,7 +113,7 @@ def test_allocating_on_a_full_node_evicts_only_what_it_needs() -> None:
 def test_offload_planning_walks_only_what_it_offloads() -> None:
     md, node = full_core(N, disk=True)  # all in memory, no files: way past the watermark
     counted(node)
-    results, _ = md.allocate([(k, SIZE) for k in new_keys(64)])
+    results, _ = allocate(md, [(k, SIZE) for k in new_keys(64)])
     assert {r.status for r in results} == {AllocStatus.NO_SPACE}
     assert CountingLRU.visited <= 64, CountingLRU.visited  # nothing clean to drop: no walk
     CountingLRU.visited = 0
@@ -132,3 +146,20 @@ def test_a_full_disk_deletes_only_the_files_it_must() -> None:
         len(orders),
         released,
     )
+
+
+def test_offloading_past_leased_entries_walks_only_what_it_offloads() -> None:
+    md, node = full_core(N, disk=True)
+    lease = lease_most(md, node)
+    counted(node)
+    results, _ = allocate(md, [(k, SIZE) for k in new_keys(64)])
+    assert {r.status for r in results} == {AllocStatus.NO_SPACE}
+    md.plan_tiering()
+    orders = md.take_orders("n1")
+    # the low watermark is out of reach (the leased nine tenths stay): everything else
+    # goes, and the leased entries are never looked at
+    assert len(orders) == N // 10
+    assert CountingLRU.visited <= len(orders) + 64, CountingLRU.visited
+    CountingLRU.visited = 0
+    md.release([lease])  # back in the order, one at a time: no walk either
+    assert CountingLRU.visited == 0 and len(node.lru) == N * 9 // 10

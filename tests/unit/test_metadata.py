@@ -1,4 +1,5 @@
-"""The manager's metadata core (polarkv_lib/manager/metadata.py), driven by a fake clock."""
+"""The manager's metadata core (polarkv_lib/manager/core.py), driven by a fake clock
+through the entry points its shell calls (tests/unit/drive.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,11 @@ import pytest
 from polarkv_lib.manager.allocator import size_class
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.model import WRITE_GRACE, AllocStatus, Entry, Node, NodeIdInUse, State
+from tests.unit.drive import FakeClock, allocate, lookup, tick
 
 KiB = 1024
 CHUNK = 64 * KiB  # a size that is its own size class
 READ_TTL, WRITE_TTL, HB_TTL = 5.0, 30.0, 3.0
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(i: int | str) -> str:
@@ -39,23 +33,8 @@ def make(capacity: int = 4 * CHUNK) -> tuple[Metadata, FakeClock, Node]:
     return md, clock, node
 
 
-def tick(
-    md: Metadata, clock: FakeClock, seconds: float, beat: bool = True, step: float = 0.5
-) -> None:
-    """Let time pass the way the shell sees it: expire() every `step`, nodes heartbeating
-    (or silent when beat is False)."""
-    end = clock.now + seconds
-    while clock.now < end:
-        clock.now = min(end, clock.now + step)
-        if beat:
-            for node in md.nodes.values():
-                if node.alive:
-                    assert md.heartbeat(node.node_id, node.incarnation)
-        md.expire()
-
-
 def store(md: Metadata, k: str, size: int = CHUNK, checksum: str = "0" * 16) -> Entry:
-    results, lease = md.allocate([(k, size)])
+    results, lease = allocate(md, [(k, size)])
     assert results[0].status is AllocStatus.ALLOCATED, results
     assert lease is not None
     assert md.commit(lease, [(k, checksum)]) == {k: "committed"}
@@ -90,7 +69,7 @@ def test_register_and_refresh() -> None:
 
 def test_allocate_in_progress_then_exists() -> None:
     md, _, node = make()
-    results, lease = md.allocate([(A, 1000)])
+    results, lease = allocate(md, [(A, 1000)])
     assert lease is not None
     (r,) = results
     assert r.status is AllocStatus.ALLOCATED and r.entry is not None
@@ -99,13 +78,13 @@ def test_allocate_in_progress_then_exists() -> None:
     assert node.allocator.used == size_class(1000)
     assert md.stats()["keys_writing"] == 1
 
-    second, lease2 = md.allocate([(A, 1000)])
+    second, lease2 = allocate(md, [(A, 1000)])
     assert second[0].status is AllocStatus.IN_PROGRESS and lease2 is None
     assert node.allocator.used == size_class(1000)  # no second extent
 
     assert md.commit(lease, [(A, "ab" * 8)]) == {A: "committed"}
     assert lease not in md.write_leases
-    third, lease3 = md.allocate([(A, 1000)])
+    third, lease3 = allocate(md, [(A, 1000)])
     assert third[0].status is AllocStatus.EXISTS and lease3 is None
     assert third[0].entry is md.get(A)
     described = md.describe(A)
@@ -122,8 +101,8 @@ def test_allocate_in_progress_then_exists() -> None:
 def test_batch_allocate_mixed_statuses() -> None:
     md, _, _ = make()
     store(md, A)
-    md.allocate([(B, CHUNK)])
-    results, lease = md.allocate([(A, CHUNK), (B, CHUNK), (C, CHUNK), (C, CHUNK)])
+    allocate(md, [(B, CHUNK)])
+    results, lease = allocate(md, [(A, CHUNK), (B, CHUNK), (C, CHUNK), (C, CHUNK)])
     assert [r.status for r in results] == [
         AllocStatus.EXISTS,
         AllocStatus.IN_PROGRESS,
@@ -135,7 +114,7 @@ def test_batch_allocate_mixed_statuses() -> None:
 
 def test_commit_unknown_key_and_unknown_lease() -> None:
     md, _, _ = make()
-    _, lease = md.allocate([(A, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK)])
     assert lease is not None
     assert md.commit(lease, [(B, "0" * 16)]) == {B: "not_in_lease"}
     assert md.get(B) is None
@@ -145,7 +124,7 @@ def test_commit_unknown_key_and_unknown_lease() -> None:
 
 def test_partial_commit_keeps_the_rest_of_the_lease() -> None:
     md, _, _ = make()
-    _, lease = md.allocate([(A, CHUNK), (B, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK), (B, CHUNK)])
     assert lease is not None
     assert md.commit(lease, [(A, "0" * 16)]) == {A: "committed"}
     assert lease in md.write_leases
@@ -156,7 +135,7 @@ def test_partial_commit_keeps_the_rest_of_the_lease() -> None:
 
 def test_commit_repeated_key_reports_committed() -> None:
     md, _, node = make()
-    _, lease = md.allocate([(A, CHUNK), (B, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK), (B, CHUNK)])
     assert lease is not None
     out = md.commit(lease, [(A, "0" * 16), (A, "0" * 16)])
     assert md.get(A).state is State.READY  # type: ignore[union-attr]
@@ -173,16 +152,16 @@ def test_lookup_longest_ready_prefix_and_counters() -> None:
     md, _, _ = make(capacity=8 * CHUNK)
     store(md, A)
     store(md, C)
-    md.allocate([(B, CHUNK)])  # B stays WRITING
-    hits, lease = md.lookup([A, B, C], take_lease=False)
+    allocate(md, [(B, CHUNK)])  # B stays WRITING
+    hits, lease = lookup(md, [A, B, C], take_lease=False)
     assert [e.key for e in hits] == [A] and lease is None
     assert (md.counters.hits, md.counters.misses, md.counters.lookups) == (1, 2, 1)
 
-    hits, _ = md.lookup([A, D, C], take_lease=False)  # stops at the first missing key
+    hits, _ = lookup(md, [A, D, C], take_lease=False)  # stops at the first missing key
     assert [e.key for e in hits] == [A]
-    hits, _ = md.lookup([D, A], take_lease=False)
+    hits, _ = lookup(md, [D, A], take_lease=False)
     assert hits == []
-    hits, _ = md.lookup([A, C], take_lease=False)
+    hits, _ = lookup(md, [A, C], take_lease=False)
     assert [e.key for e in hits] == [A, C]
     stats = md.stats()
     assert (stats["hits"], stats["misses"], stats["lookups"]) == (4, 6, 4)
@@ -191,14 +170,14 @@ def test_lookup_longest_ready_prefix_and_counters() -> None:
 def test_lookup_lease_counts_readers() -> None:
     md, _, _ = make()
     a = store(md, A)
-    _, none = md.lookup([A], take_lease=False)
+    _, none = lookup(md, [A], take_lease=False)
     assert none is None and a.readers == 0
-    _, l1 = md.lookup([A], take_lease=True)
-    _, l2 = md.lookup([A, B], take_lease=True)
+    _, l1 = lookup(md, [A], take_lease=True)
+    _, l2 = lookup(md, [A, B], take_lease=True)
     assert l1 and l2 and l1 != l2
     assert a.readers == 2
     assert md.stats()["read_leases"] == 2
-    _, l3 = md.lookup([B], take_lease=True)
+    _, l3 = lookup(md, [B], take_lease=True)
     assert l3 is None  # nothing to protect, no lease
     assert md.release([l1, "0" * 16]).released == 1
     assert a.readers == 1
@@ -211,7 +190,7 @@ def test_lookup_lease_counts_readers() -> None:
 def test_read_lease_expiry_and_renew() -> None:
     md, clock, _ = make()
     a = store(md, A)
-    _, lease = md.lookup([A], take_lease=True)
+    _, lease = lookup(md, [A], take_lease=True)
     assert lease is not None
     tick(md, clock, READ_TTL - 1)
     assert md.renew([lease, "f" * 16]) == [lease]
@@ -228,7 +207,7 @@ def test_read_lease_expiry_and_renew() -> None:
 
 def test_write_lease_expiry_frees_space() -> None:
     md, clock, node = make()
-    _, lease = md.allocate([(A, CHUNK), (B, 3 * KiB)])
+    _, lease = allocate(md, [(A, CHUNK), (B, 3 * KiB)])
     assert lease is not None and node.allocator.used > 0
     used = node.allocator.used
     tick(md, clock, WRITE_TTL - 1)
@@ -242,7 +221,7 @@ def test_write_lease_expiry_frees_space() -> None:
         (expired_at + WRITE_GRACE, 0, CHUNK),
         (expired_at + WRITE_GRACE, CHUNK, size_class(3 * KiB)),
     ]
-    assert md.allocate([(C, 4 * CHUNK)])[0][0].status is AllocStatus.NO_SPACE
+    assert allocate(md, [(C, 4 * CHUNK)])[0][0].status is AllocStatus.NO_SPACE
     tick(md, clock, expired_at + WRITE_GRACE - clock.now - 0.5)
     assert node.allocator.used == used  # not a moment early
     tick(md, clock, 0.5)
@@ -253,12 +232,12 @@ def test_write_lease_expiry_frees_space() -> None:
     assert md.commit(lease, [(A, "0" * 16)]) == {A: "lease_expired"}
     assert md.get(A) is None
     # the key is free for a new writer
-    assert md.allocate([(A, CHUNK)])[0][0].status is AllocStatus.ALLOCATED
+    assert allocate(md, [(A, CHUNK)])[0][0].status is AllocStatus.ALLOCATED
 
 
 def test_abort_after_renew_quarantines_until_the_renewed_expiry() -> None:
     md, clock, node = make()
-    _, lease = md.allocate([(A, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK)])
     assert lease is not None
     clock.now += 20
     assert md.renew([lease]) == [lease]
@@ -268,10 +247,10 @@ def test_abort_after_renew_quarantines_until_the_renewed_expiry() -> None:
 
 def test_entries_added_to_an_open_write_lease_get_a_full_lease() -> None:
     md, clock, node = make()
-    _, lease = md.allocate([(A, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK)])
     assert lease is not None
     clock.now += 20
-    results, again = md.allocate([(B, CHUNK)], lease)  # a retry of the same store
+    results, again = allocate(md, [(B, CHUNK)], resume=lease)  # a retry of the same store
     assert again == lease and results[0].status is AllocStatus.ALLOCATED
     granted_until = clock.now + WRITE_TTL  # what app.allocate signs for B's WRITE grant
     md.abort(lease, [B])
@@ -281,7 +260,7 @@ def test_entries_added_to_an_open_write_lease_get_a_full_lease() -> None:
 
 def test_write_lease_renew_postpones_expiry() -> None:
     md, clock, _ = make()
-    _, lease = md.allocate([(A, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK)])
     assert lease is not None
     tick(md, clock, WRITE_TTL - 5)
     assert md.renew([lease]) == [lease]
@@ -291,7 +270,7 @@ def test_write_lease_renew_postpones_expiry() -> None:
 
 def test_committed_entries_survive_their_write_lease() -> None:
     md, clock, node = make()
-    _, lease = md.allocate([(A, CHUNK), (B, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK), (B, CHUNK)])
     assert lease is not None
     md.commit(lease, [(A, "0" * 16)])
     tick(md, clock, WRITE_TTL + 1)
@@ -305,7 +284,7 @@ def test_committed_entries_survive_their_write_lease() -> None:
 
 def test_abort() -> None:
     md, clock, node = make()
-    _, lease = md.allocate([(A, CHUNK), (B, CHUNK), (C, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK), (B, CHUNK), (C, CHUNK)])
     assert lease is not None
     lease_expiry = md.write_leases[lease].expires
     assert md.abort(lease, [B, D]) == 1
@@ -332,7 +311,7 @@ def test_abort() -> None:
 
 def test_delete_while_writing_makes_commit_report_dropped() -> None:
     md, clock, node = make()
-    _, lease = md.allocate([(A, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK)])
     assert lease is not None
     assert md.delete(A)
     assert node.allocator.used == CHUNK  # quarantined: the writer's grant is still valid
@@ -340,7 +319,7 @@ def test_delete_while_writing_makes_commit_report_dropped() -> None:
     assert md.get(A) is None
     assert md.stats()["keys_memory"] == 0
     # a new writer of the key gets other space meanwhile
-    results, _ = md.allocate([(A, CHUNK)])
+    results, _ = allocate(md, [(A, CHUNK)])
     assert results[0].entry is not None and results[0].entry.offset != 0
     tick(md, clock, WRITE_TTL + WRITE_GRACE)
     assert node.quarantine == []
@@ -359,38 +338,37 @@ def test_lru_eviction_order_and_lookup_touches() -> None:
     md, _, node = make()  # room for 4 chunks
     fill(md, [A, B, C, D])
     assert node.allocator.free == 0
-    md.lookup([A], take_lease=False)  # A becomes most recent: B is now the oldest
-    results, _ = md.allocate([(E, CHUNK)])
+    lookup(md, [A], take_lease=False)  # A becomes most recent: B is now the oldest
+    results, _ = allocate(md, [(E, CHUNK)])
     assert results[0].status is AllocStatus.ALLOCATED
     assert md.get(B) is None
     assert {A, C, D} <= ready_keys(md)
     assert md.counters.evictions == 1
     assert results[0].entry is not None and results[0].entry.offset == CHUNK  # B's old place
-    md.allocate([(F, CHUNK)])
+    allocate(md, [(F, CHUNK)])
     assert md.get(C) is None and md.get(A) is not None and md.get(D) is not None
 
 
 def test_read_lease_protects_from_eviction() -> None:
     md, _, node = make()
     fill(md, [A, B, C, D])
-    _, lease = md.lookup([A], take_lease=True)
+    _, lease = lookup(md, [A], take_lease=True)
     assert lease is not None
-    for k in (B, C, D):  # make the leased A the least recently used again
-        md.lookup([k], take_lease=False)
-    assert next(iter(node.lru)) == A
+    # read, A is out of the eviction order: no walk steps over it
+    assert list(node.lru) == [B, C, D] and node.lru_extent == 3 * CHUNK
     evicted = []
     for new in (E, F, G):
-        results, _ = md.allocate([(new, CHUNK)])
+        results, _ = allocate(md, [(new, CHUNK)])
         assert results[0].status is AllocStatus.ALLOCATED, new
         evicted.append(next(k for k in (B, C, D) if md.get(k) is None and k not in evicted))
     assert evicted == [B, C, D]  # LRU order, skipping the leased A
     assert md.get(A) is not None and md.get(A).readers == 1  # type: ignore[union-attr]
     # only A is evictable in principle, but it is leased; E, F, G are still being written
-    results, _ = md.allocate([(H, CHUNK)])
+    results, _ = allocate(md, [(H, CHUNK)])
     assert results[0].status is AllocStatus.NO_SPACE
     assert md.counters.no_space == 1
     md.release([lease])
-    results, _ = md.allocate([(H, CHUNK)])
+    results, _ = allocate(md, [(H, CHUNK)])
     assert results[0].status is AllocStatus.ALLOCATED
     assert md.get(A) is None
     assert node.allocator.used == node.allocator.capacity
@@ -399,9 +377,9 @@ def test_read_lease_protects_from_eviction() -> None:
 def test_no_space_when_every_entry_is_leased() -> None:
     md, _, _ = make()
     fill(md, [A, B, C, D])
-    hits, lease = md.lookup([A, B, C, D], take_lease=True)
+    hits, lease = lookup(md, [A, B, C, D], take_lease=True)
     assert len(hits) == 4 and lease is not None
-    results, wl = md.allocate([(E, CHUNK), (F, 1)])
+    results, wl = allocate(md, [(E, CHUNK), (F, 1)])
     assert [r.status for r in results] == [AllocStatus.NO_SPACE, AllocStatus.NO_SPACE]
     assert wl is None
     assert ready_keys(md) == {A, B, C, D}
@@ -412,7 +390,7 @@ def test_no_space_when_every_entry_is_leased() -> None:
 def test_request_larger_than_the_node_evicts_nothing() -> None:
     md, _, node = make()  # 4 chunks of capacity
     fill(md, [A, B, C, D])
-    results, _ = md.allocate([(E, 5 * CHUNK)])
+    results, _ = allocate(md, [(E, 5 * CHUNK)])
     assert results[0].status is AllocStatus.NO_SPACE
     assert ready_keys(md) == {A, B, C, D}
     assert md.counters.evictions == 0 and node.allocator.used == 4 * CHUNK
@@ -422,15 +400,15 @@ def test_request_larger_than_the_node_evicts_nothing() -> None:
 def test_hopeless_request_evicts_nothing() -> None:
     md, _, node = make()
     fill(md, [A, B, C, D])
-    _, lease = md.lookup([A, B], take_lease=True)  # at most 2 chunks can be freed
+    _, lease = lookup(md, [A, B], take_lease=True)  # at most 2 chunks can be freed
     assert lease is not None
-    results, _ = md.allocate([(E, 3 * CHUNK)])
+    results, _ = allocate(md, [(E, 3 * CHUNK)])
     assert results[0].status is AllocStatus.NO_SPACE
     assert ready_keys(md) == {A, B, C, D}
     assert md.counters.evictions == 0 and node.allocator.used == 4 * CHUNK
     # the same request fits once the lease is gone: then it does evict
     md.release([lease])
-    results, _ = md.allocate([(E, 3 * CHUNK)])
+    results, _ = allocate(md, [(E, 3 * CHUNK)])
     assert results[0].status is AllocStatus.ALLOCATED
     assert md.counters.evictions == 3
 
@@ -438,14 +416,14 @@ def test_hopeless_request_evicts_nothing() -> None:
 def test_quarantined_space_is_not_evictable_room() -> None:
     md, clock, _ = make()
     fill(md, [A, B])
-    _, lease = md.allocate([(C, CHUNK), (D, CHUNK)])
+    _, lease = allocate(md, [(C, CHUNK), (D, CHUNK)])
     assert lease is not None
     md.abort(lease, None)  # 2 chunks quarantined, 2 ready and evictable
-    results, _ = md.allocate([(E, 3 * CHUNK)])
+    results, _ = allocate(md, [(E, 3 * CHUNK)])
     assert results[0].status is AllocStatus.NO_SPACE  # evicting A and B would not be enough
     assert ready_keys(md) == {A, B} and md.counters.evictions == 0
     tick(md, clock, WRITE_TTL + WRITE_GRACE)
-    results, _ = md.allocate([(E, 3 * CHUNK)])
+    results, _ = allocate(md, [(E, 3 * CHUNK)])
     assert results[0].status is AllocStatus.ALLOCATED
     # A alone would give enough bytes but not one contiguous extent: B goes as well
     assert md.counters.evictions == 2 and ready_keys(md) == set()
@@ -466,7 +444,7 @@ def reported(md: Metadata, leases: list[str], corrupt: list[str], bad: bool | No
 def test_release_with_corrupt_key_drops_it() -> None:
     md, _, node = make()
     fill(md, [A, B])
-    _, lease = md.lookup([A], take_lease=True)
+    _, lease = lookup(md, [A], take_lease=True)
     assert lease is not None
     assert reported(md, [lease], [A]) == 1
     assert md.get(A) is None
@@ -478,8 +456,8 @@ def test_release_with_corrupt_key_drops_it() -> None:
 def test_corrupt_report_needs_a_released_lease_holding_the_key() -> None:
     md, _, node = make()
     fill(md, [A, B])
-    _, lease_a = md.lookup([A], take_lease=True)
-    _, lease_b = md.lookup([B], take_lease=True)
+    _, lease_a = lookup(md, [A], take_lease=True)
+    _, lease_b = lookup(md, [B], take_lease=True)
     assert lease_a and lease_b
     # B is not under lease_a; an unknown lease holds nothing; no lease at all holds nothing
     reported(md, [lease_a], [B])
@@ -498,7 +476,7 @@ def test_corrupt_report_needs_a_released_lease_holding_the_key() -> None:
 def test_a_corruption_report_drops_nothing_until_the_bytes_bear_it_out() -> None:
     md, _, node = make()
     fill(md, [A, B])
-    _, lease = md.lookup([A, B], take_lease=True)
+    _, lease = lookup(md, [A, B], take_lease=True)
     assert lease is not None
     out = md.release([lease], [A, B, A])
     assert [e.key for e in out.suspects] == [A, B] and md.get(A) and md.get(B)
@@ -515,8 +493,8 @@ def test_a_corruption_report_drops_nothing_until_the_bytes_bear_it_out() -> None
 def test_corrupt_entry_still_read_by_another_lease_keeps_its_extent() -> None:
     md, _, node = make()
     fill(md, [A])
-    _, l1 = md.lookup([A], take_lease=True)
-    _, l2 = md.lookup([A], take_lease=True)
+    _, l1 = lookup(md, [A], take_lease=True)
+    _, l2 = lookup(md, [A], take_lease=True)
     assert l1 and l2
     reported(md, [l1], [A])
     assert md.get(A) is None
@@ -529,16 +507,16 @@ def test_corrupt_entry_still_read_by_another_lease_keeps_its_extent() -> None:
 def test_delete_leased_entry_keeps_extent_until_release() -> None:
     md, _, node = make()
     a = store(md, A)
-    _, lease = md.lookup([A], take_lease=True)
+    _, lease = lookup(md, [A], take_lease=True)
     assert lease is not None
     assert md.delete(A)
     assert not md.delete(A)
     assert md.get(A) is None
-    assert md.lookup([A], take_lease=False)[0] == []
+    assert lookup(md, [A], take_lease=False)[0] == []
     assert node.allocator.used == CHUNK
     assert md.stats()["keys_memory"] == 0 and md.stats()["bytes_memory"] == 0
     # a new writer of the same key gets a different extent while the old one is read
-    results, _ = md.allocate([(A, CHUNK)])
+    results, _ = allocate(md, [(A, CHUNK)])
     assert results[0].entry is not None and results[0].entry.offset != a.offset
     md.release([lease])
     assert node.allocator.used == CHUNK  # only the new entry remains
@@ -556,7 +534,7 @@ def test_delete_unleased_frees_at_once() -> None:
 def test_deleted_entry_read_lease_expiry_frees_extent() -> None:
     md, clock, node = make()
     store(md, A)
-    _, lease = md.lookup([A], take_lease=True)
+    _, lease = lookup(md, [A], take_lease=True)
     md.delete(A)
     assert node.allocator.used == CHUNK
     tick(md, clock, READ_TTL + 1)
@@ -570,7 +548,7 @@ def test_deleted_entry_read_lease_expiry_frees_extent() -> None:
 def test_heartbeat_timeout_kills_node_and_drops_entries() -> None:
     md, clock, node = make()
     fill(md, [A, B])
-    md.allocate([(C, CHUNK)])
+    allocate(md, [(C, CHUNK)])
     tick(md, clock, HB_TTL - 1, beat=False)
     assert node.alive
     assert md.heartbeat("n1", 1)
@@ -582,7 +560,7 @@ def test_heartbeat_timeout_kills_node_and_drops_entries() -> None:
     assert stats["keys_memory"] == 0 and stats["capacity_memory"] == 0
     assert md.counters.entries_lost == 2
     assert not md.heartbeat("n1", 1)
-    assert md.allocate([(D, CHUNK)])[0][0].status is AllocStatus.NO_SPACE
+    assert allocate(md, [(D, CHUNK)])[0][0].status is AllocStatus.NO_SPACE
     assert md.node_views()[0]["state"] == "dead"
 
 
@@ -596,7 +574,7 @@ def test_heartbeats_keep_node_alive() -> None:
 def test_reregister_new_incarnation_drops_old_entries() -> None:
     md, clock, old = make()
     fill(md, [A, B])
-    _, lease = md.lookup([A], take_lease=True)
+    _, lease = lookup(md, [A], take_lease=True)
     assert lease is not None
     clock.now += HB_TTL / 2  # the node restarted: silent that long
     node, new = md.register("n1", 2, "127.0.0.1:9001", 4 * CHUNK, "", "", ["tcp"])
@@ -635,7 +613,7 @@ def test_registering_over_a_live_node_is_refused_and_drops_nothing() -> None:
 
 def test_commit_after_node_death_reports_dropped() -> None:
     md, _, _ = make()
-    _, lease = md.allocate([(A, CHUNK)])
+    _, lease = allocate(md, [(A, CHUNK)])
     assert lease is not None
     assert md.unregister("n1", 1)
     assert md.commit(lease, [(A, "0" * 16)]) == {A: "dropped"}
@@ -656,11 +634,11 @@ def test_placement_weighs_nodes_by_free_memory() -> None:
     md = Metadata(READ_TTL, WRITE_TTL, HB_TTL, clock=clock, rng=random.Random(7))
     old, _ = md.register("old", 1, "127.0.0.1:9001", 400 * CHUNK, "", "", ["tcp"])
     for i in range(300):  # a busy node: three quarters full
-        md.allocate([(key(f"old{i}"), CHUNK)])
+        allocate(md, [(key(f"old{i}"), CHUNK)])
     assert old.allocator.used == 300 * CHUNK
     md.register("fresh", 1, "127.0.0.1:9002", 400 * CHUNK, "", "", ["tcp"])
     placed = [
-        md.allocate([(key(i), CHUNK)])[0][0].entry.node.node_id  # type: ignore[union-attr]
+        allocate(md, [(key(i), CHUNK)])[0][0].entry.node.node_id  # type: ignore[union-attr]
         for i in range(100)
     ]
     # the restarted, empty node takes most new writes (about 4:1 by free memory) ...
@@ -676,7 +654,7 @@ def test_placement_fills_every_node_before_evicting() -> None:
     fill(md, [key(i) for i in range(10)])
     assert n1.allocator.free == n2.allocator.free == 0
     assert md.stats()["evictions"] == 0
-    results, _ = md.allocate([(key(10), CHUNK)])  # full: now one LRU entry goes
+    results, _ = allocate(md, [(key(10), CHUNK)])  # full: now one LRU entry goes
     assert results[0].status is AllocStatus.ALLOCATED and md.stats()["evictions"] == 1
 
 
@@ -684,7 +662,7 @@ def test_placement_skips_dead_nodes() -> None:
     md, _, _ = make(capacity=4 * CHUNK)
     md.register("n2", 1, "127.0.0.1:9002", 8 * CHUNK, "", "", ["tcp"])
     md.unregister("n2", 1)
-    results, _ = md.allocate([(A, CHUNK)])
+    results, _ = allocate(md, [(A, CHUNK)])
     assert results[0].entry is not None and results[0].entry.node.node_id == "n1"
 
 
@@ -692,7 +670,7 @@ def test_eviction_happens_on_a_node_that_can_fit() -> None:
     md, _, n1 = make(capacity=4 * CHUNK)
     fill(md, [A, B, C, D])
     n2, _ = md.register("n2", 1, "127.0.0.1:9002", CHUNK, "", "", ["tcp"])
-    results, _ = md.allocate([(E, 2 * CHUNK)])  # n2 is empty but too small: evict on n1
+    results, _ = allocate(md, [(E, 2 * CHUNK)])  # n2 is empty but too small: evict on n1
     assert results[0].status is AllocStatus.ALLOCATED
     assert results[0].entry is not None and results[0].entry.node is n1
     assert n2.allocator.used == 0

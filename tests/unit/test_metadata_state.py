@@ -1,13 +1,13 @@
-"""A Hypothesis state machine over Metadata: random allocate / commit / abort / lookup /
-release / delete / renew / re-register / time steps, with the accounting invariants
-checked after every step."""
+"""A Hypothesis state machine over Metadata on memory-only nodes: random allocate /
+commit / abort / lookup / release / delete / renew / re-register / time steps, two
+tenants (one under a memory quota), requests driven through the entry points the shell
+calls (tests/unit/drive.py), and the invariants of tests/unit/invariants.py checked
+after every step."""
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import random
-from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,26 +22,27 @@ from polarkv_lib.manager.model import (
     Entry,
     State,
 )
+from tests.unit.drive import FakeClock, results_of, run_allocate, run_lookup, tick
+from tests.unit.invariants import (
+    Tally,
+    check_eviction_order,
+    check_holders,
+    check_memory_accounting,
+)
 
 KiB = 1024
 READ_TTL, WRITE_TTL, HB_TTL = 5.0, 30.0, 3.0
 KEYS = [hashlib.blake2b(str(i).encode(), digest_size=16).hexdigest() for i in range(24)]
 NODES = {"n1": 128 * KiB, "n2": 192 * KiB}
+QUOTAS = {"a": 160 * KiB}  # tenant "a" evicts its own entries past this
 # a passing run takes ~2 s; a failing one spends minutes shrinking: let it finish
 pytestmark = pytest.mark.timeout(300)
 
 COMMIT_RESULTS = {"committed", "not_in_lease", "lease_expired", "dropped"}
 
 keys_st = st.sampled_from(KEYS)
+tenants_st = st.sampled_from(["", "a"])
 sizes_st = st.one_of(st.sampled_from([1, 4097, 32 * KiB, 64 * KiB]), st.integers(1, 96 * KiB))
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class MetadataMachine(RuleBasedStateMachine):
@@ -49,6 +50,8 @@ class MetadataMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.md = Metadata(READ_TTL, WRITE_TTL, HB_TTL, clock=self.clock, rng=random.Random(0))
+        self.md.quotas = dict(QUOTAS)
+        self.tally = Tally()
         self.incarnations: dict[str, int] = {}
         self.entries: list[Entry] = []  # every entry ever allocated
         self.write_lease_ids: list[str] = []
@@ -100,26 +103,37 @@ class MetadataMachine(RuleBasedStateMachine):
     def _live_read_leases(self) -> list[str]:
         return [lid for lid in self.read_lease_ids if lid in self.md.read_leases]
 
-    @rule(items=st.lists(st.tuples(keys_st, sizes_st), min_size=1, max_size=8))
-    def store(self, items: list[tuple[str, int]]) -> None:
+    @rule(items=st.lists(st.tuples(keys_st, sizes_st), min_size=1, max_size=8), tenant=tenants_st)
+    def store(self, items: list[tuple[str, int]], tenant: str) -> None:
         # the common path: allocate, then commit everything that was allocated
-        results, lease = self._allocate(items)
+        results, lease = self._allocate(items, tenant)
         if lease is not None:
             mine = [r.key for r in results if r.status is AllocStatus.ALLOCATED]
             out = self.md.commit(lease, [(k, "0123456789abcdef") for k in mine])
+            self.tally.commits(out)
             assert out == dict.fromkeys(mine, "committed")
             assert lease not in self.md.write_leases
 
-    @rule(items=st.lists(st.tuples(keys_st, sizes_st), min_size=1, max_size=4))
-    def allocate(self, items: list[tuple[str, int]]) -> None:
-        self._allocate(items)
+    @rule(items=st.lists(st.tuples(keys_st, sizes_st), min_size=1, max_size=4), tenant=tenants_st)
+    def allocate(self, items: list[tuple[str, int]], tenant: str) -> None:
+        self._allocate(items, tenant)
 
-    def _allocate(self, items: list[tuple[str, int]]) -> tuple[list[AllocResult], str | None]:
+    def _allocate(
+        self, items: list[tuple[str, int]], tenant: str
+    ) -> tuple[list[AllocResult], str | None]:
         before = {k: self.md.get(k) for k, _ in items}
-        results, lease = self.md.allocate(items)
+        op = run_allocate(self.md, items, tenant=tenant)
+        self.tally.allocation(op)
+        results, lease = results_of(op), op.lease
         assert [r.key for r in results] == [k for k, _ in items]
         allocated = [r for r in results if r.status is AllocStatus.ALLOCATED]
         assert (lease is None) == (not allocated)
+        # a prefix: once one is refused, no later one is placed (memory-only nodes have
+        # no window, so nothing is LATER)
+        statuses = [r.status for r in results]
+        assert AllocStatus.LATER not in statuses
+        if AllocStatus.NO_SPACE in statuses:
+            assert AllocStatus.ALLOCATED not in statuses[statuses.index(AllocStatus.NO_SPACE) :]
         for r in results:
             if r.status is AllocStatus.ALLOCATED:
                 assert r.entry is not None and r.entry.state is State.WRITING
@@ -152,6 +166,7 @@ class MetadataMachine(RuleBasedStateMachine):
                 st.lists(st.sampled_from(candidates + KEYS[:2]), unique=True, max_size=4)
             )
         out = self.md.commit(lease, [(k, "0123456789abcdef") for k in keys])
+        self.tally.commits(out)
         assert set(out) == set(keys)
         for k, why in out.items():
             assert why in COMMIT_RESULTS
@@ -195,7 +210,10 @@ class MetadataMachine(RuleBasedStateMachine):
         keys = data.draw(
             st.lists(st.sampled_from(self._ready_keys() or KEYS), min_size=1, max_size=4)
         ) + data.draw(st.lists(keys_st, max_size=1))
-        hits, lease = self.md.lookup(keys, take)
+        op = run_lookup(self.md, keys, take, tenant=data.draw(tenants_st))
+        self.tally.lookup(op)
+        hits, lease = op.served, op.lease
+        assert not op.more  # in memory, a prefix is answered whole
         assert [e.key for e in hits] == keys[: len(hits)]
         for e in hits:
             assert e.state is State.READY and not e.dropped
@@ -216,7 +234,7 @@ class MetadataMachine(RuleBasedStateMachine):
             e.key: e
             for lid in leases
             if lid in self.md.read_leases
-            for e in self.md.read_leases[lid].entries
+            for e in self.md.read_leases[lid].served
         }
         corrupt = data.draw(
             st.lists(
@@ -285,13 +303,7 @@ class MetadataMachine(RuleBasedStateMachine):
             assert not old.alive
             assert all(e.dropped for e in self.entries if e.node is old)
             return
-        end = self.clock.now + seconds
-        while self.clock.now < end:
-            self.clock.now = min(end, self.clock.now + 0.5)
-            for nid, node in self.md.nodes.items():
-                if node.alive and not (event == "silent" and nid == node_id):
-                    assert self.md.heartbeat(nid, node.incarnation)
-            self.md.expire()
+        tick(self.md, self.clock, seconds, silent=node_id if event == "silent" else "")
         self._check_quarantined(writing, since)
         for node in self.md.nodes.values():  # expire() let go of everything that was due
             assert all(q[0] > self.clock.now for q in node.quarantine)
@@ -306,13 +318,19 @@ class MetadataMachine(RuleBasedStateMachine):
 
     @invariant()
     def readers_match_leases(self) -> None:
-        held: Counter[int] = Counter()
-        for lease in self.md.read_leases.values():
-            for e in lease.entries:
-                held[id(e)] += 1
-        for e in self.entries:
-            assert e.readers >= 0
-            assert e.readers == held[id(e)], (e.key, e.readers, held[id(e)])
+        check_holders(self.md, self.entries, [])
+
+    @invariant()
+    def memory_accounting_matches_the_entries(self) -> None:
+        check_memory_accounting(self.md, self.entries)
+
+    @invariant()
+    def the_eviction_order_holds_what_may_leave_memory(self) -> None:
+        check_eviction_order(self.md)
+
+    @invariant()
+    def counters_count_each_answer_once_and_never_go_down(self) -> None:
+        self.tally.check(self.md)
 
     @invariant()
     def table_matches_entries(self) -> None:
@@ -326,27 +344,6 @@ class MetadataMachine(RuleBasedStateMachine):
             assert e.dropped == (self.md.get(e.key) is not e)
 
     @invariant()
-    def allocator_accounts_for_every_live_extent(self) -> None:
-        for node in self.md.nodes.values():
-            if not node.alive:
-                continue
-            live = [
-                e
-                for e in self.entries
-                if e.node is node and (self.md.get(e.key) is e or (e.dropped and e.readers > 0))
-            ]
-            # dropped WRITING entries wait out their writer's grant in quarantine
-            held = node.quarantine
-            assert node.allocator.used == sum(e.alloc_size for e in live) + sum(q[2] for q in held)
-            spans = sorted(
-                [(e.offset, e.offset + e.alloc_size) for e in live]
-                + [(offset, offset + length) for _, offset, length in held]
-            )
-            for (_, end), (start, _) in itertools.pairwise(spans):
-                assert end <= start, "extents overlap"
-            assert all(s >= 0 and e <= node.allocator.capacity for s, e in spans)
-
-    @invariant()
     def dropped_writes_hold_no_extent_themselves(self) -> None:
         for e in self.entries:
             if e.dropped and e.state is State.WRITING:
@@ -358,9 +355,6 @@ class MetadataMachine(RuleBasedStateMachine):
         stats = self.md.stats()
         assert stats["keys_memory"] == len(ready)
         assert stats["bytes_memory"] == sum(e.size for e in ready)
-        for node in self.md.nodes.values():
-            if node.alive:
-                assert set(node.lru) == {e.key for e in ready if e.node is node}
         assert stats["nodes"] + stats["nodes_dead"] == len(self.md.nodes)
 
     @invariant()

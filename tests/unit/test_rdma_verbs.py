@@ -214,12 +214,13 @@ def test_explicit_rdma_without_a_device_names_the_reason(fresh_probe: None) -> N
 
 def test_slab_with_rdma_but_no_device_does_not_start(fresh_probe: None) -> None:
     from polarkv_lib.node import rdma_server
+    from polarkv_lib.node.admission import Gate
 
     if registry.rdma_unavailable() is None:
         pytest.skip("this machine has a usable RDMA device")
     buffer = memoryview(bytearray(1 << 20))
     with pytest.raises(RdmaUnavailable, match=r"slab\.transports includes rdma, but"):
-        rdma_server.start(buffer, 1, lambda: None, "", 1, -1, False)
+        rdma_server.start(buffer, Gate(len(buffer), 1, lambda: (), 5.0), "", 1, -1, False)
     buffer.release()  # nothing kept it exported
 
 

@@ -12,20 +12,12 @@ from hypothesis import strategies as st
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.model import AllocStatus, Residency
 from polarkv_lib.manager.rows import Batch, EntryRow, NodeRow
-from polarkv_lib.manager.snapshot import synthetic_rows
+from tests.unit.drive import FakeClock, allocate, confirm_all, lookup, synthetic_rows
 
 KiB = 1024
 CAPACITY = 64 * 64 * KiB
 SUM = "0123456789abcdef"
 KEYS = [hashlib.blake2b(str(i).encode(), digest_size=16).hexdigest() for i in range(64)]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def core(clock: FakeClock) -> Metadata:
@@ -81,7 +73,7 @@ def test_restore_of_take_changes_round_trips(
     for op, i, size in ops:
         key = KEYS[i]
         if op == "store":
-            results, lease = md.allocate([(key, size)])
+            results, lease = allocate(md, [(key, size)])
             if results[0].status is AllocStatus.ALLOCATED and lease is not None:
                 md.commit(lease, [(key, SUM)])
         elif op == "delete":
@@ -121,6 +113,8 @@ def test_restore_of_take_changes_round_trips(
     again.restore(node_rows, list(store.values()))
     assert again.take_changes().deleted_keys == []  # rows of nodes not back yet stay
     join(again)
+    for node_id in ("m1", "d1"):  # their buffers survived: every memory row still holds
+        confirm_all(again, node_id, 1)
     while again.restore_step(slice_rows):
         pass
     assert view(again) == before
@@ -150,6 +144,7 @@ def test_a_restore_writes_back_only_what_changed() -> None:
     rows = synthetic_rows(node, 500, 4096)
     md.restore([node], rows)
     md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])
+    assert confirm_all(md, "m1", 1) == 500
     while md.restore_step(64):
         pass
     assert md.stats()["keys_memory"] == 500
@@ -169,10 +164,13 @@ def test_a_restoring_node_serves_misses_and_takes_no_new_writes() -> None:
     ]
     md.restore([NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")], rows[::-1])
     md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])  # kept its buffer
-    assert md.restoring  # one slice ran inside register: the first 5 by address
-    hits, _ = md.lookup(KEYS[:40], take_lease=False)
+    assert (md.restoring and not md.restore_step()) or md.restoring  # waits for the slab
+    assert md.get(KEYS[0]) is None  # nothing comes back before its bytes are confirmed
+    assert confirm_all(md, "m1", 1) == 40
+    md.restore_step()  # one slice: the first 5 by address
+    hits, _ = lookup(md, KEYS[:40], take_lease=False)
     assert [e.key for e in hits] == KEYS[:5]  # the rest misses for now
-    results, _ = md.allocate([(KEYS[50], 4096)])
+    results, _ = allocate(md, [(KEYS[50], 4096)])
     assert results[0].status is AllocStatus.NO_SPACE  # the only node is restoring
     assert all(md.get(k) is None for k in KEYS[5:40])
     batch = md.take_changes()
@@ -180,9 +178,9 @@ def test_a_restoring_node_serves_misses_and_takes_no_new_writes() -> None:
     while md.restore_step(3):
         pass
     assert not md.restoring
-    hits, _ = md.lookup(KEYS[:40], take_lease=False)
+    hits, _ = lookup(md, KEYS[:40], take_lease=False)
     assert [e.offset for e in hits] == [i * 4096 for i in range(40)]
-    results, _ = md.allocate([(KEYS[50], 4096)])
+    results, _ = allocate(md, [(KEYS[50], 4096)])
     assert results[0].status is AllocStatus.ALLOCATED and results[0].entry is not None
     assert results[0].entry.offset == 40 * 4096
 

@@ -1,4 +1,4 @@
-"""Tenants (polarkv_lib/manager/tenants.py) and their counters and quotas in the core."""
+"""Tenants (polarkv_lib/tenancy.py) and their counters and quotas in the core."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import random
 import pytest
 
 from polarkv_lib.config import parse_size
+from polarkv_lib.keys import ident
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.model import AllocStatus
-from polarkv_lib.manager.tenants import Tenants, parse_quotas, parse_tenants, scoped_key
+from polarkv_lib.tenancy import Tenants, parse_quotas, parse_tenants
+from tests.unit.drive import allocate, lookup
 
 CHUNK = 64 * 1024
 SUM = "0123456789abcdef"
@@ -31,16 +33,17 @@ def test_tokens_map_to_tenants_and_keys_to_namespaces() -> None:
         ["a:tokentoken", "a:tokentoke2"],
         ["a:tokentoken", "b:tokentoken"],
         ["a b:tokentoken"],
+        ["default:tokentoken"],  # security.token's tenant
     ):
         with pytest.raises(ValueError):
             parse_tenants(bad)
-    tenants = Tenants(["a:tokentoken"], token="plain-token")
+    tenants = Tenants({**parse_tenants(["a:tokentoken"]), "plain-token": ""})
     assert tenants.enabled and tenants.of("tokentoken") == "a" and tenants.of("plain-token") == ""
     assert tenants.of("nope") is None and tenants.names() == ["", "a"]
-    assert not Tenants([], token="plain-token").enabled  # one token: today's behaviour
+    assert not Tenants({"plain-token": ""}).enabled  # one token: today's behaviour
     k = key(7)
-    assert scoped_key("", k) == k  # the default namespace keeps the client's keys
-    assert scoped_key("a", k) != scoped_key("b", k) != k and len(scoped_key("a", k)) == 32
+    assert ident("", k) == k  # the default tenant's entries are filed under their keys
+    assert ident("a", k) == f"{k}.a" != ident("b", k)  # another tenant's: never a key
     assert parse_quotas(["a:64KiB"], ["a"], parse_size) == {"a": CHUNK}
     for bad in (["b:1MiB"], ["a"], ["a:0"]):
         with pytest.raises(ValueError):
@@ -54,7 +57,7 @@ def core() -> Metadata:
 
 
 def store(md: Metadata, tenant: str, keys: list[str]) -> list[AllocStatus]:
-    results, lease = md.allocate([(k, CHUNK) for k in keys], tenant=tenant)
+    results, lease = allocate(md, [(k, CHUNK) for k in keys], tenant=tenant)
     if lease is not None:
         md.commit(lease, [(r.key, SUM) for r in results if r.status is AllocStatus.ALLOCATED])
     return [r.status for r in results]
@@ -62,11 +65,11 @@ def store(md: Metadata, tenant: str, keys: list[str]) -> list[AllocStatus]:
 
 def test_each_tenant_is_counted_apart() -> None:
     md = core()
-    a, b = scoped_key("a", key(1)), scoped_key("b", key(1))
+    a, b = ident("a", key(1)), ident("b", key(1))
     assert store(md, "a", [a]) == [AllocStatus.ALLOCATED]
     assert store(md, "b", [b]) == [AllocStatus.ALLOCATED]  # the same client key: its own entry
-    op = md.begin_lookup([a, scoped_key("a", key(2))], take_lease=False, tenant="a")
-    assert [e.key for e in op.served] == [a] and md.get(a) is not md.get(b)
+    hits, _ = lookup(md, [a, ident("a", key(2))], tenant="a")
+    assert [e.key for e in hits] == [a] and md.get(a) is not md.get(b)
     views = md.tenant_views()
     assert views["a"] == {
         "lookups": 1,
@@ -77,6 +80,7 @@ def test_each_tenant_is_counted_apart() -> None:
         "commits": 1,
         "keys_memory": 1,
         "bytes_memory": CHUNK,
+        "bytes_writing": 0,
     }
     assert views["b"]["lookups"] == 0 and views["b"]["bytes_memory"] == CHUNK
     assert md.delete(b) and md.tenant_views()["b"]["keys_memory"] == 0
@@ -85,11 +89,11 @@ def test_each_tenant_is_counted_apart() -> None:
 def test_a_quota_evicts_the_tenants_own_oldest_entries_first() -> None:
     md = core()
     md.quotas = {"a": 3 * CHUNK}
-    others = [scoped_key("b", key(i)) for i in range(4)]
+    others = [ident("b", key(i)) for i in range(4)]
     assert store(md, "b", others) == [AllocStatus.ALLOCATED] * 4
-    mine = [scoped_key("a", key(i)) for i in range(5)]
+    mine = [ident("a", key(i)) for i in range(5)]
     assert store(md, "a", mine[:3]) == [AllocStatus.ALLOCATED] * 3
-    hits, lease = md.lookup([mine[0]], take_lease=True)  # a reader holds the oldest
+    hits, lease = lookup(md, [mine[0]], take_lease=True)  # a reader holds the oldest
     assert store(md, "a", mine[3:5]) == [AllocStatus.ALLOCATED] * 2
     assert md.get(mine[0]) is not None  # leased: kept
     assert md.get(mine[1]) is None and md.get(mine[2]) is None  # the next oldest went
@@ -97,7 +101,7 @@ def test_a_quota_evicts_the_tenants_own_oldest_entries_first() -> None:
     assert md.tenant_views()["a"]["bytes_memory"] == 3 * CHUNK
     assert md.counters.evictions == 2
     # a batch bigger than the quota keeps its head (its own entries are protected)
-    assert store(md, "a", [scoped_key("a", key(i)) for i in range(10, 14)]) == (
+    assert store(md, "a", [ident("a", key(i)) for i in range(10, 14)]) == (
         [AllocStatus.ALLOCATED] * 2 + [AllocStatus.NO_SPACE] * 2
     )
     assert md.release([lease or ""]).released == 1 and hits
@@ -106,12 +110,12 @@ def test_a_quota_evicts_the_tenants_own_oldest_entries_first() -> None:
 def test_a_quota_that_cannot_be_met_evicts_nothing() -> None:
     md = core()
     md.quotas = {"a": 3 * CHUNK}
-    free, read1, read2 = (scoped_key("a", key(i)) for i in range(3))
+    free, read1, read2 = (ident("a", key(i)) for i in range(3))
     assert store(md, "a", [free, read1, read2]) == [AllocStatus.ALLOCATED] * 3
-    _, lease = md.lookup([read1, read2], take_lease=True)  # two of three are being read
+    _, lease = lookup(md, [read1, read2], take_lease=True)  # two of three are being read
     # two chunks' worth more needs two to leave; only `free` may: refused, and `free`
     # must still be there (not evicted for a request that failed anyway)
-    results, _ = md.allocate([(scoped_key("a", key(9)), 2 * CHUNK)], tenant="a")
+    results, _ = allocate(md, [(ident("a", key(9)), 2 * CHUNK)], tenant="a")
     assert [r.status for r in results] == [AllocStatus.NO_SPACE]
     assert md.get(free) is not None and md.counters.evictions == 0
     assert md.tenant_views()["a"]["bytes_memory"] == 3 * CHUNK

@@ -187,6 +187,22 @@ def test_response_length_defaults_to_zero() -> None:
     assert frames.decode_response(frames.encode_response(Status.OK)) == (Status.OK, 0)
 
 
+@pytest.mark.parametrize(
+    ("reason", "sent"),
+    [
+        ("grant expired", b"grant expired"),
+        ("x" * (frames.MAX_REASON + 100), b"x" * frames.MAX_REASON),
+        # never half a character: a client decodes what it reads as UTF-8
+        ("x" * (frames.MAX_REASON - 1) + "\u00e9", b"x" * (frames.MAX_REASON - 1)),
+    ],
+)
+def test_a_refusal_carries_its_reason_cut_to_max_reason(reason: str, sent: bytes) -> None:
+    frame = frames.encode_refusal(Status.DENIED, reason)
+    assert len(frame) <= frames.MAX_REFUSAL
+    assert frames.decode_response(frame[: frames.RESPONSE_SIZE]) == (Status.DENIED, len(sent))
+    assert frame[frames.RESPONSE_SIZE :] == sent
+
+
 @pytest.mark.parametrize("magic", [b"PL", b"pk", b"\x00\x00", b"KP"])
 def test_request_bad_magic(magic: bytes) -> None:
     frame = bytearray(frames.encode_request(Op.READ, grants.sign(make(), KEY)))

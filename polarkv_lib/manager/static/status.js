@@ -4,7 +4,6 @@
 "use strict";
 
 const params = new URLSearchParams(location.search);
-const SHARDS = (params.get("shards") || location.origin).split(",").map(s => s.trim().replace(/\/+$/, "")).filter(Boolean);
 const POLL_MS = Math.max(250, Number(params.get("interval")) || 2000);
 const HISTORY = 180;              // samples kept for the charts (6 minutes at 2 s)
 const TOKEN_KEY = "polarkv.token";
@@ -14,16 +13,42 @@ const BYTES = new Set(["bytes_memory", "capacity_memory", "bytes_disk", "capacit
 
 const $ = sel => document.querySelector(sel);
 const history = [];               // {t, total}
-const eventSeq = SHARDS.map(() => 0);
+// The shards this page reads: the ones its own origin names (manager.shard_urls, in
+// shard order), or that origin alone. Nothing else is ever contacted (see shards()).
+let SHARDS = [];
+let eventSeq = [];
 let events = new Map();           // shard/event id -> event
 let paused = false;
 let timer = null;
 
 function token() { return sessionStorage.getItem(TOKEN_KEY) || ""; }
 
+const trimmed = url => url.trim().replace(/\/+$/, "");
+
+// Which shards to read: asked of this page's own origin, the one address the page can
+// trust. A `?shards=` in the address is never followed (a link could point it, and the
+// token typed here, anywhere): URLs in it that the manager does not list are named as
+// refused, and the manager's own list is read either way.
+async function shards() {
+  const resp = await fetch(location.origin + "/healthz", {cache: "no-store", redirect: "error"});
+  if (!resp.ok) throw new Error("/healthz: HTTP " + resp.status);
+  const known = ((await resp.json()).shard_urls || []).map(trimmed);
+  const list = known.length ? known : [location.origin];
+  const asked = (params.get("shards") || "").split(",").map(trimmed).filter(Boolean);
+  const refused = asked.filter(url => !list.includes(url));
+  const notes = [];
+  if (refused.length) notes.push("Not contacted (not one of this manager's shards, manager.shard_urls): " + refused.join(", "));
+  // the shards answer pages from their own listed origins only (CORS)
+  if (!list.some(url => new URL(url).origin === location.origin)) notes.push("Open this page at one of " + list.join(", "));
+  $("#refused").hidden = !notes.length;
+  $("#refused").textContent = notes.join(". ");
+  return list;
+}
+
 async function get(shard, path) {
+  if (!SHARDS.includes(shard)) throw new Error(shard + " is not one of this manager's shards");
   const headers = token() ? {Authorization: "Bearer " + token()} : {};
-  const resp = await fetch(shard + path, {headers, cache: "no-store"});
+  const resp = await fetch(shard + path, {headers, cache: "no-store", redirect: "error"});
   if (resp.status === 401 || resp.status === 403) throw Object.assign(new Error("token refused"), {auth: true});
   if (!resp.ok) throw new Error(path + ": HTTP " + resp.status);
   return resp.json();
@@ -208,7 +233,9 @@ function drawChart(svg, series, opts) {
   parts.push(mk("text", {x: W - PAD.r, y: H - 4, "text-anchor": "end"}, "now"));
   let lx = W - PAD.r;
   for (const s of [...series].reverse()) {
-    parts.push(mk("text", {x: lx, y: 12, "text-anchor": "end", class: "legend", style: "fill:" + s.color}, s.name));
+    const legend = mk("text", {x: lx, y: 12, "text-anchor": "end", class: "legend"}, s.name);
+    legend.style.fill = s.color;  // CSSOM, not a style attribute: the page's CSP allows no inline style
+    parts.push(legend);
     lx -= 9 * s.name.length + 14;
   }
   for (const s of series) {  // in order: later series draw over earlier ones
@@ -255,6 +282,18 @@ function renderCharts() {
 
 async function poll() {
   timer = null;
+  if (!SHARDS.length) {
+    try {
+      SHARDS = await shards();
+    } catch (err) {
+      $("#problem").hidden = false;
+      $("#problem").textContent = "this manager is unreachable: " + err.message;
+      if (!paused) timer = setTimeout(poll, POLL_MS);
+      return;
+    }
+    eventSeq = SHARDS.map(() => 0);
+    $("#shards").textContent = SHARDS.length > 1 ? SHARDS.length + " shards" : SHARDS[0].replace(/^https?:\/\//, "");
+  }
   const answers = await Promise.all(SHARDS.map(pollShard));
   if (answers.some(a => a.error && a.error.auth)) return askToken(token() ? "That token was refused." : "");
   const down = answers.filter(a => a.error);
@@ -298,5 +337,4 @@ $("#pause").addEventListener("click", () => {
   $("#pause").textContent = paused ? "Resume" : "Pause";
   if (!paused && timer === null) poll();
 });
-$("#shards").textContent = SHARDS.length > 1 ? SHARDS.length + " shards" : SHARDS[0].replace(/^https?:\/\//, "");
 poll();

@@ -3,9 +3,10 @@
 Every row is a ratio of two measurements taken side by side in the same run, on the same
 filesystem, with the same object size and the same thread count: the machine this runs
 on is usually shared and noisy, and absolute GB/s move between runs far more than ratios.
-The three parts (store: DiskStore against raw pwrite/preadv; service: a real node that
+The four parts (store: DiskStore against raw pwrite/preadv; service: a real node that
 offloads and reloads a working set four times its memory; fit: a node with and without
-the disk role when nothing needs tiering), their defaults and the latest results are in
+the disk role when nothing needs tiering; large: single prompts larger than memory,
+loaded whole through it, against the raw read and a memory-only node), their defaults and the latest results are in
 docs/BENCHMARKS.md ("Disk tier"). The DiskStore's key directories (two levels of 256)
 are made before timing, as on a node that has run a while.
 
@@ -35,6 +36,7 @@ from polarkv_lib.node.disk import DiskStore
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench import disk_files as files
 from polarkv_lib.tools.bench.core import BenchError, MiB, gbps, size_text
+from polarkv_lib.tools.bench.disk_large import large_part
 from polarkv_lib.tools.bench.disk_node import fit_part, service_part
 from polarkv_lib.tools.bench.disk_plan import GOALS, PARTS, Plan, Row, parse_plan
 from polarkv_lib.tools.bench.measure import CpuWatch
@@ -192,6 +194,7 @@ def measure(plan: Plan) -> tuple[list[Row], list[str]]:
             "store": _store_part,
             "service": service_part,
             "fit": fit_part,
+            "large": large_part,
         }
         chosen = [name for name in PARTS if name in plan.parts]
         with progress(len(chosen), "bench disk", "part") as bar:
@@ -278,7 +281,7 @@ def run(plan: Plan, json_path: str = "") -> bool:
     show_default=True,
     help="O_DIRECT on both sides, or the page cache (dropped before reads; needs root).",
 )
-@click.option("--parts", default="store,service,fit", show_default=True, help="Parts to run.")
+@click.option("--parts", default="store,service,fit,large", show_default=True, help="Parts to run.")
 @click.option(
     "--json", "json_path", default="", help="Also write the results as JSON to this file."
 )

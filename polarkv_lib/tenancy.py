@@ -1,26 +1,25 @@
-"""Tenants: which client token belongs to which team, and how a team's keys are kept
-apart from every other team's.
+"""Tenants: which client token belongs to which team, and how a team's entries are kept
+apart from every other team's (DESIGN §14).
 
-`security.tenants` lists `name:token` pairs. An entry belongs to the tenant whose token
-stored it: the manager files it under a key of its own, derived from the tenant's name
-and the client's key, so another tenant's lookup of the same key misses and its store
-creates a separate entry (with its own memory extent, file and grants). Clients never
-see the derived keys: the shell maps them back in every reply. `security.tenant_quotas`
-(`name:size`) caps the memory a tenant's ready entries take: past it, its own least
-recently used entries leave memory first (manager/core.py). `security.token`, and
-the admin token, work in the default namespace, where keys are the clients' own; so
-with a single token nothing changes.
+`security.tenants` lists `name:token` pairs; `security.token` is the tenant `default`, a
+tenant like any other. An entry belongs to the tenant whose token stored it, and carries
+it: the manager files it under its identity (keys.ident: the client's key and the
+tenant's name), persists the tenant with its row and names its file by it, so another
+tenant's lookup of the same key misses and its store creates a separate entry (its own
+memory extent, file and grants). No key a client can send is another tenant's identity:
+a request's keys are always made its own tenant's. `security.tenant_quotas`
+(`name:size`) caps the memory a tenant holds and writes: past it, its own least recently
+used entries leave memory first (manager/tiering.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 import secrets
 from collections.abc import Callable, Iterable
 
-DEFAULT = ""  # the namespace of security.token and the admin token
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+from polarkv_lib.keys import TENANT_NAME
+
+DEFAULT = ""  # the tenant of security.token (and of the admin's requests), "default"
 
 
 def parse_tenants(entries: Iterable[str]) -> dict[str, str]:
@@ -29,11 +28,13 @@ def parse_tenants(entries: Iterable[str]) -> dict[str, str]:
     names: set[str] = set()
     for entry in entries:
         name, sep, token = entry.partition(":")
-        if not sep or not _NAME.fullmatch(name):
+        if not sep or not TENANT_NAME.fullmatch(name):
             raise ValueError(
                 f"{entry.split(':')[0]!r}: each entry is name:token, the name up to "
                 "64 letters, digits, '.', '_' or '-'"
             )
+        if name == "default":
+            raise ValueError("'default' is security.token's tenant: give this one another name")
         if len(token) < 8:
             raise ValueError(f"tenant {name!r}: its token must be at least 8 characters")
         if name in names or token in out:
@@ -59,25 +60,21 @@ def parse_quotas(
     return out
 
 
-def scoped_key(tenant: str, key: str) -> str:
-    """The key the manager files a tenant's entry under (a 32-hex key like any other, so
-    tables, shards, persisted rows and disk files need no change)."""
-    if tenant == DEFAULT:
-        return key
-    return hashlib.blake2b(f"{tenant}\0{key}".encode(), digest_size=16).hexdigest()
-
-
 class Tenants:
-    def __init__(self, entries: Iterable[str], token: str) -> None:
-        self.by_token = parse_tenants(entries)
-        if token:
-            self.by_token.setdefault(token, DEFAULT)
+    """Who is which tenant, and each one's quota: parsed once, by config.py, from
+    `security.tenants`, `security.token` and `security.tenant_quotas`; the manager's
+    middleware and its core take it from there."""
+
+    def __init__(self, by_token: dict[str, str], quotas: dict[str, int] | None = None) -> None:
+        self.by_token = by_token  # token -> tenant name ("" the default tenant)
+        self.quotas = quotas or {}  # tenant name -> bytes it may hold and write
 
     @property
     def enabled(self) -> bool:
         return any(name != DEFAULT for name in self.by_token.values())
 
     def names(self) -> list[str]:
+        """Every tenant, the default one ("") included."""
         return sorted({*self.by_token.values(), DEFAULT})
 
     def of(self, presented: str) -> str | None:
