@@ -36,6 +36,8 @@ SPEC = TinyLlama(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vo
 CHUNK = 256  # the connector's default for vLLM's 128-token CPU blocks
 PREFIX = 4 * CHUNK  # four chunks a second instance can load
 GEN = 8
+HYBRID_MEMORY = "4MiB"  # the hybrid PolarKV's memory tier: under the sessions' prefixes
+SESSION_PREFIX = 6 * CHUNK  # per session; four of them are 3x HYBRID_MEMORY (below)
 
 
 def words(seed: int, n: int) -> list[int]:
@@ -52,6 +54,9 @@ class Setup:
     a: VllmServer
     b: VllmServer
     unreachable: VllmServer  # its PolarKV URL answers nothing
+    hybrid: PolarKV  # little memory and a disk tier
+    writer: VllmServer  # on `hybrid`: stores the sessions' prefixes
+    reader: VllmServer  # on `hybrid`: loads them
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     port = free_port()
     polarkv = cluster.embedded(manager__listen=f"127.0.0.1:{port}")
     url = polarkv.manager_url
+    (root / "hybrid").mkdir()
+    hybrid = Cluster(root / "hybrid").embedded(
+        disk=True, slab__memory=HYBRID_MEMORY, disk__capacity="256MiB"
+    )
     dead = f"http://127.0.0.1:{free_port()}"
 
     def server(name: str, manager: str | None) -> VllmServer:
@@ -82,16 +91,19 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         server("a", url),
         server("b", url),
         server("unreachable", dead),
+        server("writer", hybrid.manager_url),
+        server("reader", hybrid.manager_url),
     ]
     try:
         for s in servers:
             s.start()
         for s in servers:
             s.wait_ready()
-        yield Setup(polarkv, port, *servers)
+        yield Setup(polarkv, port, *servers[:4], hybrid, *servers[4:])
     finally:
         for s in servers:
             s.stop()
+        hybrid.close()
         cluster.close()
 
 
@@ -222,3 +234,46 @@ def test_polarkv_killed_and_back_while_serving_a_stream(setup: Setup, tmp_path: 
     assert all(s.ended - s.started < 30 for s in down), "PolarKV down slowed requests down"
     assert again_procs and setup.b.alive()
     assert_clean_log(setup.b)
+
+
+def test_four_sessions_larger_than_memory_load_whole_from_the_disk_tier(setup: Setup) -> None:
+    """Four sessions whose prefixes together are three times PolarKV's memory: stored by
+    one instance, then loaded at once by another, every prefix whole (vLLM counts the
+    hit tokens), the tokens plain vLLM gives; most chunks come back from the disk tier."""
+    url = setup.hybrid.manager_url
+    prefixes = [words(200 + s, SESSION_PREFIX) for s in range(4)]
+    prompts = [p + words(300 + s, 16) for s, p in enumerate(prefixes)]
+    expected = [setup.plain.complete(p, GEN) for p in prompts]
+
+    commits = stats(url)["commits"]
+    for s, prefix in enumerate(prefixes):  # the writer sees each prefix once, then saves it
+        setup.writer.complete(prefix + words(400 + s, 16), GEN)
+    saved(url, 4 * SESSION_PREFIX // CHUNK, commits)
+    wait_for(lambda: stats(url)["offloads"] > 0, timeout=30)
+    written = stats(url)
+    chunk_bytes = written["offload_bytes"] // written["offloads"]
+    assert 4 * SESSION_PREFIX // CHUNK * chunk_bytes > 2 * written["capacity_memory"]
+
+    before, hits_before = stats(url), setup.reader.external_hits()[1]
+    outputs: list[list[int] | BaseException] = [[] for _ in prompts]
+
+    def session(i: int) -> None:
+        try:
+            outputs[i] = setup.reader.complete(prompts[i], GEN, timeout=300)
+        except BaseException as exc:
+            outputs[i] = exc
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(400)
+    assert outputs == expected, "a session's tokens differ from plain vLLM's"
+    after = stats(url)
+    assert setup.reader.external_hits()[1] - hits_before == 4 * SESSION_PREFIX
+    assert after["reloads"] > before["reloads"]  # the disk tier served part of it
+    assert after["misses"] == before["misses"]
+    assert after["commits"] == before["commits"]  # every chunk was known: nothing new
+    assert after["tier_failures"] == 0
+    for server in (setup.writer, setup.reader):
+        assert_clean_log(server)
