@@ -42,6 +42,7 @@ def bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess[str]:
         (["disk", "--parts", "everything"], "bench disk: --parts: choose from"),
         (["manager", "--entries", "10"], "bench manager: --entries: between 64 and"),
         (["manager", "--seconds", "soon"], "bench manager: --seconds: not a number"),
+        (["manager", "--shards", "0,2"], "bench manager: --shards: between 1 and 16"),
         (["load", "--chunk-size", "big"], "bench load: --chunk-size: not a size"),
     ],
 )
@@ -131,6 +132,21 @@ def test_manager_tiny_run_restarts_with_every_entry(tmp_path: Path) -> None:
     (table,) = doc["tables"]
     assert table["restored"] == 2048 and 0 < table["first_hit_s"] <= table["restored_s"] + 0.5
     assert not table["notes"]
+
+
+def test_manager_shards_tiny_run_serves_every_shard(tmp_path: Path) -> None:
+    out = tmp_path / "shards.json"
+    result = bench(
+        "manager", "--entries", "1024", "--shards", "1,2", "--seconds", "0.3", "--rounds", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_bytes())["shards"]
+    assert [(r["shards"], r["op"]) for r in rows] == [
+        (1, "lookup"), (1, "allocate"), (2, "lookup"), (2, "allocate"),
+    ]  # fmt: skip
+    # Every lookup hit all 64 keys and every allocation stored all 64, over both shards.
+    assert all(r["pairs_per_s"] > 0 and r["manager_cores"] > 0 and not r["notes"] for r in rows)
 
 
 class _Corrupting(Peer):

@@ -36,7 +36,7 @@ import time
 
 import click
 
-from polarkv_lib.tools.bench import core
+from polarkv_lib.tools.bench import core, manager_shards
 from polarkv_lib.tools.bench.manager_load import one_table
 from polarkv_lib.tools.bench.manager_plan import Plan, Row, Table, parse_plan
 
@@ -153,6 +153,42 @@ def run(plan: Plan, json_path: str) -> bool:
     return not any(t.notes for t in tables)
 
 
+def run_shards(plan: Plan, counts: list[int], json_path: str) -> bool:
+    """The shard part (bench/manager_shards.py): the first --entries over N shards."""
+    n = plan.entries[0]
+    print(
+        f"polarkv bench manager --shards: {core.machine_text()}; {n:,} entries of {plan.size} B "
+        f"over {counts} shard(s), {plan.concurrency} client tasks, {plan.rounds} rounds of "
+        f"{plan.seconds:g}s; rates: best round",
+        flush=True,
+    )
+    started = time.monotonic()
+    rows: list[manager_shards.ShardRow] = []
+    with tempfile.TemporaryDirectory(prefix="polarkv-bench-shards-") as workdir:
+        for count in counts:
+            rows += manager_shards.one_count(plan, count, n, workdir)
+            print(
+                f"{count} shard(s): "
+                + ", ".join(
+                    f"{r.op} {r.pairs_per_s[r.best()]:,.0f}/s on {r.manager_cores[r.best()]:.2f} cores"
+                    for r in rows
+                    if r.shards == count
+                ),
+                flush=True,
+            )
+    print(manager_shards.render(rows))
+    print(f"({time.monotonic() - started:.0f}s)")
+    if json_path:
+        core.write_json(
+            json_path,
+            "manager-shards",
+            {"entries": n, "size": plan.size, "shards": counts, "seconds": plan.seconds},
+            [],
+            {"shards": [r.to_json() for r in rows]},
+        )
+    return not any(r.notes for r in rows)
+
+
 class _BareServer:
     def __init__(self, workdir: str) -> None:
         ready = os.path.join(workdir, "bare.url")
@@ -187,6 +223,11 @@ class _BareServer:
     "--restart/--no-restart", default=True, show_default=True, help="Also time a restart."
 )
 @click.option(
+    "--shards",
+    default="",
+    help="Instead: shard counts (e.g. 1,2,4); the first --entries spread over each count.",
+)
+@click.option(
     "--json", "json_path", default="", help="Also write the results as JSON to this file."
 )
 def command(
@@ -196,11 +237,17 @@ def command(
     rounds: str,
     concurrency: str,
     restart: bool,
+    shards: str,
     json_path: str,
 ) -> None:
     """Manager lookups/s and allocations/s at growing table sizes beside a bare aiohttp
-    handler; restart and memory per entry."""
-    core.guarded(
-        "manager",
-        lambda: run(parse_plan(entries, size, seconds, rounds, concurrency, restart), json_path),
-    )
+    handler; restart and memory per entry. With --shards: the aggregate rates of N shards
+    behind one client pool, per core used."""
+
+    def go() -> bool:
+        plan = parse_plan(entries, size, seconds, rounds, concurrency, restart)
+        if shards:
+            return run_shards(plan, core.parse_ints(shards, "--shards", 1, 16), json_path)
+        return run(plan, json_path)
+
+    core.guarded("manager", go)
