@@ -226,7 +226,10 @@ class Cluster:
                 f"disk.capacity={spec.disk_capacity}",
             ]
             if spec.global_pools:
-                settings.append(f"disk.remote={spec.pool_host(vm).address}:{POOL_PORT}")
+                settings += [
+                    "disk.store=polarkv_lib.cluster.remote_disk:remote_store",
+                    f"disk.remote={spec.pool_host(vm).address}:{POOL_PORT}",
+                ]
         else:
             raise ClusterError(f"VM {vm.name} runs no service (it is a {vm.role} VM)")
         return vm, procs.polarkv_argv(roles, settings, ready)

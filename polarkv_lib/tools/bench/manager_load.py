@@ -19,6 +19,7 @@ import orjson
 
 from polarkv_lib.client.admin import AdminClient
 from polarkv_lib.errors import PolarKVError
+from polarkv_lib.progress import progress
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.manager_plan import (
     BATCH,
@@ -36,7 +37,6 @@ from polarkv_lib.tools.bench.manager_plan import (
     Table,
 )
 from polarkv_lib.tools.bench.measure import proc_rss
-from polarkv_lib.tools.progress import progress
 from polarkv_lib.tools.service import Service, running
 
 RENEW_BATCH = 4096  # lease ids per renew or release request (the manager's max_batch)

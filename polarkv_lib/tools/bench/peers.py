@@ -33,13 +33,13 @@ from dataclasses import dataclass
 
 import click
 
+from polarkv_lib.progress import progress
 from polarkv_lib.tools import service
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.core import MiB, Pairs, gbps, size_text
 from polarkv_lib.tools.bench.limits import Buffers, RawServer, socket_limit
 from polarkv_lib.tools.bench.peers_base import Peer, PeerUnavailable, PolarKVPeer
 from polarkv_lib.tools.bench.plot import bar_chart
-from polarkv_lib.tools.progress import progress
 
 SYSTEMS = ("polarkv-tcp", "polarkv-shm", "redis", "redis-pipelined", "mooncake")
 ROUNDS = 3

@@ -49,9 +49,9 @@ from typing import Any
 import click
 import orjson
 
+from polarkv_lib.progress import progress
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.plot import bar_chart
-from polarkv_lib.tools.progress import progress
 from polarkv_lib.tools.service import Service, running
 from polarkv_lib.tools.tiny_llama import TinyLlama
 from polarkv_lib.tools.vllm_server import (
