@@ -39,6 +39,7 @@ LEAVES = (
     "polarkv_lib.shards",
     "polarkv_lib.tenancy",
     "polarkv_lib.progress",
+    "polarkv_lib.stats",
 )
 _BELOW_SERVICES = (
     "polarkv_lib.client",
@@ -56,13 +57,25 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "manager": ("polarkv_lib.manager", "polarkv_lib.wire", "polarkv_lib.config", *LEAVES),
     "node": ("polarkv_lib.node", *_BELOW_SERVICES),
     "runner": ("polarkv_lib.manager", "polarkv_lib.node", "polarkv_lib.config", *LEAVES),
+    # the one starter of polarkv processes (tools, tests, the cluster harness)
+    "service": ("polarkv_lib.node.buffer", *LEAVES),
+    # the one generator of test and benchmark traffic, over the public client
+    "workload": ("polarkv_lib.client", "polarkv_lib.stats", *LEAVES),
     "integrations": ("polarkv_lib.integrations", *_BELOW_SERVICES),
     "cli": ("polarkv_lib.cli", *_BELOW_SERVICES),
     # namespaces as VMs, and the global-pool experiment (a disk store: node/ below it)
-    "cluster": ("polarkv_lib.cluster", "polarkv_lib.node", *_BELOW_SERVICES),
+    "cluster": (
+        "polarkv_lib.cluster",
+        "polarkv_lib.node",
+        "polarkv_lib.service",
+        "polarkv_lib.workload",
+        *_BELOW_SERVICES,
+    ),
     "tools": (
         "polarkv_lib.tools",
         "polarkv_lib.cluster",
+        "polarkv_lib.service",
+        "polarkv_lib.workload",
         "polarkv_lib.node",
         "polarkv_lib.runner",
         *_BELOW_SERVICES,

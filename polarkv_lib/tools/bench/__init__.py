@@ -13,7 +13,7 @@ Rooms:
     datapath, disk (+ disk_plan, disk_files, disk_node), load, peers (+ peers_*), manager
                 one module per benchmark
 
-Services are started with polarkv_lib/tools/service.py (the one starter, also used by
+Services are started with polarkv_lib/service.py (the one starter, also used by
 the demo and the tests).
 
 Adding a benchmark `foo`:

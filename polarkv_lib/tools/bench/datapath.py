@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import click
 
+from polarkv_lib import service
 from polarkv_lib.client.async_client import AsyncPolarKVClient
 from polarkv_lib.progress import progress
-from polarkv_lib.tools import service
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.core import MiB, Pairs, size_text
 from polarkv_lib.tools.bench.limits import (
