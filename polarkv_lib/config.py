@@ -273,11 +273,17 @@ class DiskConfig:
     capacity: int = _opt("size", 16 * 1024**3, "disk tier budget of this node")
     o_direct: bool = _opt("bool", False, "bypass the page cache for offload/reload files")
     io_threads: int = _opt("int", 4, "parallel file operations of the disk role")
+    store: str = _opt(
+        "str",
+        "local",
+        "the disk role's store: local (files on this node's disks), or an import string "
+        "module:attribute naming a callable that takes the disk section and returns a store",
+    )
     remote: str = _opt(
         "str",
         "",
-        "experiment only (global pools): host:port of a remote disk server "
-        "that holds this node's disk tier; empty (always, in production): local disks",
+        "experiment only (global pools): host:port of the remote disk server that "
+        "disk.store = polarkv_lib.cluster.remote_disk:remote_store reads; empty otherwise",
     )
 
 
@@ -500,6 +506,13 @@ def validate(config: Config) -> None:
     need(len(config.disk.paths) >= 1, "disk.paths", "needs at least one directory")
     need(config.disk.capacity >= 1024**2, "disk.capacity", "must be at least 1MiB")
     need(1 <= config.disk.io_threads <= 64, "disk.io_threads", "must be between 1 and 64")
+    need(bool(config.disk.store), "disk.store", "names a store (local, or module:attribute)")
+    need(
+        not config.disk.remote or config.disk.store != "local",
+        "disk.remote",
+        "is read by a remote store only: set disk.store = "
+        "polarkv_lib.cluster.remote_disk:remote_store with it",
+    )
     if config.disk.remote:
         try:
             parse_address(config.disk.remote)

@@ -24,8 +24,8 @@ from polarkv_lib.config import Config, parse_address
 from polarkv_lib.errors import ConfigError
 from polarkv_lib.logs import Events
 from polarkv_lib.manager.app import ManagerService
-from polarkv_lib.node.disk import DiskStore
 from polarkv_lib.node.slab import SlabService
+from polarkv_lib.node.stores import open_store
 
 log = structlog.get_logger("polarkv")
 ROLES = ("manager", "slab", "disk")
@@ -143,13 +143,7 @@ async def run(
             slab_sock = bind(config.slab.listen, "slab.listen")
             stack.callback(slab_sock.close)
         d = config.disk  # an unwritable disk path is a config error too
-        store = (
-            DiskStore(d.paths, d.capacity, d.o_direct) if "disk" in roles and not d.remote else None
-        )
-        if "disk" in roles and d.remote:  # experiment only: global pools (cluster/remote_disk.py)
-            from polarkv_lib.cluster.remote_disk import RemoteDiskStore
-
-            store = RemoteDiskStore(d.remote, d.capacity)
+        store = open_store(d) if "disk" in roles else None  # disk.store: node/stores.py
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

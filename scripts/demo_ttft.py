@@ -39,7 +39,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from polarkv_lib.integrations.hf import HFKVStore, greedy, prefill
-from polarkv_lib.tools.service import running_service
+from polarkv_lib.service import running_service
 
 LOGIT_ATOL = 1e-3  # float32; the logits are O(1): differences come from summation order
 

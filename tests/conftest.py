@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from polarkv_lib.client.admin import AdminClient
-from polarkv_lib.tools.service import Service
+from polarkv_lib.service import Service
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from polarkv_lib.cli.api import AdminError, Shards
-from polarkv_lib.tools.progress import progress
+from polarkv_lib.progress import progress
 
 POLL_S = 0.2
 

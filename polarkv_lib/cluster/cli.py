@@ -173,6 +173,6 @@ def exec_(name: str, state_dir: str, vm: str, command: tuple[str, ...]) -> None:
     except ClusterError as exc:
         _fail(str(exc), ExitCode.CONFIG)
     done = subprocess.run(
-        procs.in_vm(target, command), env=procs.source_env(handle.spec.client_env()), check=False
+        procs.in_vm(target, command), env=procs.vm_env(handle.spec.client_env()), check=False
     )
     sys.exit(done.returncode)

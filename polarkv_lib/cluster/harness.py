@@ -28,6 +28,7 @@ from polarkv_lib.cluster import netns, procs
 from polarkv_lib.cluster.netns import ClusterError, Counters
 from polarkv_lib.cluster.spec import MANAGER_PORT, POOL_PORT, SLAB_PORT, ClusterSpec, Vm
 from polarkv_lib.errors import PolarKVError
+from polarkv_lib.service import Service, ServiceError, polarkv_argv
 
 DEFAULT_ROOT = ".cluster"
 JOIN_TIMEOUT = 30.0
@@ -39,7 +40,7 @@ class Cluster:
         self.dir = Path(root).resolve() / spec.name
         self.shm_dir = Path("/dev/shm") / f"polarkv-cluster-{spec.name}"
         self._procs: dict[str, dict[str, Any]] = {}
-        self._popen: dict[str, subprocess.Popen[bytes]] = {}
+        self._services: dict[str, Service] = {}
         self._phase = "down"
 
     # -- state --------------------------------------------------------------------------
@@ -128,13 +129,9 @@ class Cluster:
             (pid, procs.start_time(pid)) for space in spaces for pid in netns.netns_pids(space)
         ]
         procs.stop_pids(found + [(p["pid"], p.get("started")) for p in self._procs.values()])
-        for proc in self._popen.values():  # collect our children's exit status
-            try:
-                proc.wait(procs.STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._popen.clear()
+        for service in self._services.values():  # collect our children's exit status
+            service.stop()
+        self._services.clear()
         for space in spaces:
             netns.delete_netns(space)
         links = netns.list_links(prefix)
@@ -185,7 +182,7 @@ class Cluster:
 
     def _service(self, name: str) -> tuple[Vm, list[str]]:
         """The VM a service runs in and its command line."""
-        spec, ready = self.spec, str(self.dir / "run" / f"{name}.ready.json")
+        spec, ready = self.spec, str(self._ready_file(name))
         settings = [*spec.security_settings(), "log.level=info", *spec.settings]
         if name.startswith("pool"):  # the disk tier of memory VM i, on VM i+1
             owner = spec.vm(f"mem{name[4:]}")
@@ -226,10 +223,14 @@ class Cluster:
                 f"disk.capacity={spec.disk_capacity}",
             ]
             if spec.global_pools:
-                settings.append(f"disk.remote={spec.pool_host(vm).address}:{POOL_PORT}")
+                settings += [
+                    "disk.store=polarkv_lib.cluster.remote_disk:remote_store",
+                    f"disk.remote={spec.pool_host(vm).address}:{POOL_PORT}",
+                ]
         else:
             raise ClusterError(f"VM {vm.name} runs no service (it is a {vm.role} VM)")
-        return vm, procs.polarkv_argv(roles, settings, ready)
+        as_set = dict(item.partition("=")[::2] for item in settings)  # the last one wins
+        return vm, polarkv_argv(roles, as_set, ready)
 
     def _ready_file(self, name: str) -> Path:
         return self.dir / "run" / f"{name}.ready.json"
@@ -248,25 +249,44 @@ class Cluster:
         ready = self._ready_file(name)
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.unlink(missing_ok=True)
-        proc = procs.start(vm, argv, self.log_path(name))
-        self._procs[name] = {"pid": proc.pid, "started": procs.start_time(proc.pid), "vm": vm.name}
-        self._popen[name] = proc
+        service = Service(
+            str(self.dir / vm.name),
+            (),
+            {},
+            procs.STOP_TIMEOUT,
+            procs.READY_TIMEOUT,
+            wrapper=procs.in_vm(vm),
+            argv=argv,
+            ready_file=ready,
+            log_path=self.log_path(name),
+            inherit_settings=False,
+            append_log=True,
+            new_session=True,
+            shm_dir=str(self.shm_dir),
+        )
+        service.start()
+        pid = service.pid
+        self._procs[name] = {"pid": pid, "started": procs.start_time(pid), "vm": vm.name}
+        self._services[name] = service
         self._save()
         if wait:
             self.wait_service(name)
 
     def wait_service(self, name: str) -> None:
-        procs.wait_ready(self._popen[name], self._ready_file(name), self.log_path(name))
+        try:
+            self._services[name].wait_ready()
+        except ServiceError as exc:
+            raise ClusterError(f"{name} {exc}") from None
 
     def kill(self, vm_name: str, sig: int) -> None:
         """Send `sig` to a VM's service (SIGKILL: the crash a failure test wants)."""
         rec = self._procs.get(vm_name)
         if rec is None or not procs.signal_pid(rec["pid"], rec.get("started"), sig):
             raise ClusterError(f"{vm_name} has no running service")
-        proc = self._popen.get(vm_name)
-        if proc is not None:
+        service = self._services.get(vm_name)
+        if service is not None:
             try:
-                proc.wait(procs.STOP_TIMEOUT)
+                service.proc.wait(procs.STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
                 raise ClusterError(
                     f"{vm_name} did not exit within {procs.STOP_TIMEOUT:.0f}s"
@@ -324,7 +344,7 @@ class Cluster:
         try:
             done = subprocess.run(
                 procs.in_vm(vm, argv),
-                env=procs.source_env({**self.spec.client_env(), **env}),
+                env=procs.vm_env({**self.spec.client_env(), **env}),
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 timeout=timeout,

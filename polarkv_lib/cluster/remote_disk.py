@@ -6,8 +6,10 @@ memory VM's disk role a `RemoteDiskStore`: the same interface as `DiskStore`, bu
 offload ships the bytes to a `serve()` process on another memory VM, which writes them
 with a real `DiskStore`, and every reload fetches them back. Everything else (orders,
 checksums, the manager's decisions) is unchanged, so the only difference between the
-two layouts is where the tiering bytes travel. `disk.remote` selects it; it is never a
-default and has no place in a deployment.
+two layouts is where the tiering bytes travel. The harness selects it with
+`disk.store = "polarkv_lib.cluster.remote_disk:remote_store"` and `disk.remote` (the
+store registry of node/stores.py imports this module only then); it is never a default
+and has no place in a deployment.
 
 Wire format, one request at a time per connection (little-endian):
     request:  "PKRD" | op u8 | key 16 bytes | size u64 | checksum u64  [+ size payload bytes]
@@ -32,7 +34,7 @@ import sys
 import threading
 import time
 
-from polarkv_lib.config import parse_address, parse_size
+from polarkv_lib.config import DiskConfig, parse_address, parse_size
 from polarkv_lib.errors import DiskFailure, Failure, NetworkError, OperationTimeout
 from polarkv_lib.node.disk import DiskCounters, DiskStore, FileInfo
 from polarkv_lib.transport.sockio import recv_exact, send_all
@@ -150,6 +152,12 @@ class RemoteDiskStore(DiskStore):
             with self._lock:
                 self.counters.deletes += 1
         return deleted
+
+
+def remote_store(config: DiskConfig) -> RemoteDiskStore:
+    """`disk.store = "polarkv_lib.cluster.remote_disk:remote_store"`: the disk tier on the
+    server at `disk.remote`."""
+    return RemoteDiskStore(config.remote, config.capacity)
 
 
 class _Handler(socketserver.BaseRequestHandler):

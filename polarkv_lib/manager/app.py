@@ -42,9 +42,9 @@ from polarkv_lib.manager.ui import OperatorRoutes
 from polarkv_lib.manager.verify import TIMEOUT as VERIFY_TIMEOUT
 from polarkv_lib.manager.verify import Region, bytes_are_bad
 from polarkv_lib.manager.writebehind import WriteBehind
+from polarkv_lib.progress import progress
 from polarkv_lib.shards import Shard, split_urls
 from polarkv_lib.tenancy import DEFAULT, label
-from polarkv_lib.tools.progress import progress
 from polarkv_lib.wire import control
 from polarkv_lib.wire.grants import Grant, Op, epoch_key, sign
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import xxhash
 
+from polarkv_lib.config import DiskConfig
 from polarkv_lib.errors import ConfigError
 from polarkv_lib.errors import DiskFailure as DiskFailure  # re-exported: callers meet it here
 from polarkv_lib.errors import Failure as Failure
 from polarkv_lib.keys import TENANT_NAME, ident, is_valid_ident, split_ident
-from polarkv_lib.tools.progress import progress
+from polarkv_lib.progress import progress
 from polarkv_lib.transport.sockio import pread_into, pwrite_all
 from polarkv_lib.wire.orders import FILE_ALIGN as ALIGN
 from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE  # the manager books with these
@@ -305,3 +306,8 @@ class DiskStore:
                 "reload_bytes": c.reload_bytes,
                 "disk_deletes": c.deletes,
             }
+
+
+def local_store(config: DiskConfig) -> DiskStore:
+    """`disk.store = "local"`: files on this node's own disks."""
+    return DiskStore(config.paths, config.capacity, config.o_direct)

@@ -14,27 +14,30 @@ Every call to a manager is bounded (`call_timeout`): a manager that accepts a co
 and never answers costs one timeout, not the node. A node the manager declared dead, or
 a manager that restarted and forgot it, is told so by its next heartbeat (404) and
 registers again by itself.
+
+A link sees its node through two narrow objects: `NodeIdentity` (what it registers: ids,
+address, buffer and disk sizes) and `LinkHooks` (what it tells the node: a grant key
+taken, a registration, a configuration failure; what it asks: the heartbeat's stats), so
+the slab's internals stay the slab's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 import xxhash
 
-from polarkv_lib.client.control import ControlClient, RegisterRequest
+from polarkv_lib.client.control import ControlClient, NodeRef, RegisterRequest
 from polarkv_lib.config import Config
 from polarkv_lib.errors import AccessDenied, BadRequest, ConfigError, PolarKVError
 from polarkv_lib.host import host_id
 from polarkv_lib.logs import Events, RateLimiter
 from polarkv_lib.node.disk_role import DiskRole
 from polarkv_lib.shards import Shard, ShardOrderError
-
-if TYPE_CHECKING:
-    from polarkv_lib.node.slab import SlabService
 
 log = structlog.get_logger("polarkv.slab")
 
@@ -50,10 +53,45 @@ def call_timeout(config: Config) -> float:
     return max(2 * config.slab.heartbeat_interval, 1.0)
 
 
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who the node is and what it offers, as every one of its links registers it."""
+
+    node_id: str
+    incarnation: int
+    address: str
+    buffer_size: int
+    shm_path: str  # empty when shm is not among the transports
+    transports: tuple[str, ...]
+    disk_capacity: int  # 0 without a disk role
+
+    @property
+    def ref(self) -> NodeRef:
+        return NodeRef(self.node_id, self.incarnation)
+
+
+@dataclass(frozen=True)
+class LinkHooks:
+    """What a link tells its node, and the one thing it asks of it."""
+
+    take_grant_key: Callable[[int, bytes | None, int], bool]  # shard, key, manager incarnation
+    registered: Callable[[], None]
+    fail: Callable[[ConfigError], None]
+    stats: Callable[[], dict[str, int]]
+
+
 class ManagerLink:
-    def __init__(self, slab: SlabService, url: str, shard: Shard) -> None:
-        config = slab.config
-        self.slab = slab
+    def __init__(
+        self,
+        config: Config,
+        url: str,
+        shard: Shard,
+        node: NodeIdentity,
+        view: memoryview,
+        hooks: LinkHooks,
+        disk: DiskRole | None = None,
+    ) -> None:
+        self.node = node
         self.url = url
         self.shard = shard
         token = config.security.admin_token or config.security.token
@@ -63,25 +101,19 @@ class ManagerLink:
         )
         self.registered = asyncio.Event()
         self.registrations = 0
-        self.disk: DiskRole | None = None
+        self.disk = disk  # this shard's tier orders, with the disk role
+        self._view = view
+        self._hooks = hooks
         # Heartbeat at least three times per manager TTL, whatever was configured here.
-        self._interval = config.slab.heartbeat_interval
+        self._interval = self._configured = config.slab.heartbeat_interval
         self._timeout = call_timeout(config)
         self._task: asyncio.Task[None] | None = None
         self._down = RateLimiter(log, DOWN_LOG_INTERVAL)
 
     def start(self) -> None:
-        slab = self.slab
-        if slab.store is not None:
-            assert slab.buffer is not None and slab.server is not None
-            self.disk = DiskRole(
-                slab.store,
-                slab.buffer.view,
-                slab.node_id,
-                slab.config.disk.io_threads,
-                slab.server.fence,
-            )
-            self.disk.start(self.control, lambda: slab.ref, self.registered)
+        if self.disk is not None:
+            ref = self.node.ref
+            self.disk.start(self.control, lambda: ref, self.registered)
         self._task = asyncio.create_task(self._loop(), name=f"slab-heartbeat-{self.shard}")
 
     async def stop(self) -> None:
@@ -93,25 +125,23 @@ class ManagerLink:
             await self.disk.stop()
         if self.registered.is_set():
             try:
-                await self.control.unregister(self.slab.ref, time.monotonic() + UNREGISTER_TIMEOUT)
+                await self.control.unregister(self.node.ref, time.monotonic() + UNREGISTER_TIMEOUT)
             except PolarKVError:
                 pass  # the manager will notice the silence
         await self.control.close()
 
     async def _register(self) -> bool:
-        slab = self.slab
-        assert slab.buffer is not None
-        transports = slab.config.slab.transports
+        node = self.node
         # The whole buffer and disk: the manager takes its shard's part of each.
         info = RegisterRequest(
-            slab.node_id,
-            slab.incarnation,
-            slab.address,
-            slab.buffer.size,
-            slab.buffer.path if "shm" in transports else "",
+            node.node_id,
+            node.incarnation,
+            node.address,
+            node.buffer_size,
+            node.shm_path,
             host_id(),
-            list(transports),
-            slab.config.disk.capacity if slab.store is not None else 0,
+            list(node.transports),
+            node.disk_capacity,
         )
         try:
             reg = await self.control.register(info, time.monotonic() + self._timeout)
@@ -120,34 +150,32 @@ class ManagerLink:
                 Events.REGISTRATION_REFUSED, status=exc.status, error=str(exc), manager=self.url
             )
             return False
-        if not slab.take_grant_key(self.shard.index, reg.grant_key, reg.manager_incarnation):
+        if not self._hooks.take_grant_key(self.shard.index, reg.grant_key, reg.manager_incarnation):
             return False
         if not await self._confirm():
             return False
         if reg.heartbeat_ttl is not None:
-            self._interval = min(slab.config.slab.heartbeat_interval, reg.heartbeat_ttl / 3)
+            self._interval = min(self._configured, reg.heartbeat_ttl / 3)
         if self.disk is not None and not await self._adopt():
             return False
         self.registered.set()
         self.registrations += 1
         log.info(
             Events.SLAB_REGISTERED,
-            node=slab.node_id,
-            incarnation=slab.incarnation,
+            node=node.node_id,
+            incarnation=node.incarnation,
             registrations=self.registrations,
             manager=self.url,
             shard=str(self.shard),
         )
-        slab.link_registered()
+        self._hooks.registered()
         return True
 
     async def _confirm(self) -> bool:
         """A manager that restarted asks which of this node's memory extents still hold
         the entries it has on record: those whose payload still hashes to the entry's
         checksum (hashed off the loop, a batch at a time). Only those come back."""
-        buffer = self.slab.buffer
-        assert buffer is not None
-        view = buffer.view
+        view = self._view
 
         def check(batch: list[tuple[int, int, str]]) -> list[tuple[int, str, bool]]:
             return [(o, c, xxhash.xxh3_64_hexdigest(view[o : o + n]) == c) for o, n, c in batch]
@@ -155,7 +183,7 @@ class ManagerLink:
         held: list[tuple[int, str, bool]] = []
         try:
             while batch := await self.control.confirm(
-                self.slab.ref, held, time.monotonic() + self._timeout
+                self.node.ref, held, time.monotonic() + self._timeout
             ):
                 held = await asyncio.to_thread(check, batch)
         except PolarKVError as exc:
@@ -171,7 +199,7 @@ class ManagerLink:
         for start in range(0, len(files), ADOPT_BATCH):
             try:
                 delete = await self.control.adopt(
-                    self.slab.ref,
+                    self.node.ref,
                     files[start : start + ADOPT_BATCH],
                     time.monotonic() + ADOPT_TIMEOUT,
                 )
@@ -192,12 +220,12 @@ class ManagerLink:
             return
         try:
             await self.control.heartbeat(
-                self.slab.ref, self.slab.stats(), time.monotonic() + self._timeout
+                self.node.ref, self._hooks.stats(), time.monotonic() + self._timeout
             )
         except BadRequest as exc:
             if exc.status != 404:
                 raise
-            log.warning(Events.SLAB_FORGOTTEN, node=self.slab.node_id, manager=self.url)
+            log.warning(Events.SLAB_FORGOTTEN, node=self.node.node_id, manager=self.url)
             self.registered.clear()
             await self._register()
 
@@ -207,12 +235,12 @@ class ManagerLink:
                 await self._beat()
                 self._down.clear(Events.MANAGER_UNREACHABLE)
             except ShardOrderError as exc:  # slab.manager_url out of order: stop the node
-                self.slab.fail(ConfigError(f"slab.manager_url: {exc}"))
+                self._hooks.fail(ConfigError(f"slab.manager_url: {exc}"))
                 return
             except PolarKVError as exc:  # unreachable, timed out, refused: keep knocking
                 self._down.warning(
                     Events.MANAGER_UNREACHABLE,
-                    node=self.slab.node_id,
+                    node=self.node.node_id,
                     manager=self.url,
                     error=str(exc) or type(exc).__name__,
                 )

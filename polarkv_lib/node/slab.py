@@ -29,7 +29,8 @@ from polarkv_lib.node.admission import Gate
 from polarkv_lib.node.buffer import SlabBuffer
 from polarkv_lib.node.dataserver import DataServer
 from polarkv_lib.node.disk import DiskStore
-from polarkv_lib.node.manager_link import ManagerLink, call_timeout
+from polarkv_lib.node.disk_role import DiskRole
+from polarkv_lib.node.manager_link import LinkHooks, ManagerLink, NodeIdentity, call_timeout
 from polarkv_lib.node.rdma_server import RdmaServer
 from polarkv_lib.node.rdma_server import start as start_rdma
 from polarkv_lib.shards import Shard, split_urls
@@ -59,8 +60,7 @@ class SlabService:
         # Per manager shard, the key its current incarnation signs grants with: a grant
         # of a manager that has since restarted verifies with none of them.
         self._grant_keys: dict[int, bytes] = {}
-        urls = split_urls(config.slab.manager_url)
-        self.links = [ManagerLink(self, url, Shard(i, len(urls))) for i, url in enumerate(urls)]
+        self.links: list[ManagerLink] = []  # made at start, once the node knows who it is
 
     @property
     def ref(self) -> NodeRef:
@@ -106,6 +106,28 @@ class SlabService:
             )
         self.server = DataServer(sock, self.buffer.view, gate, s, self.rdma)
         self.server.start()
+        identity = NodeIdentity(
+            self.node_id,
+            self.incarnation,
+            self.address,
+            self.buffer.size,
+            self.buffer.path if "shm" in s.transports else "",
+            tuple(s.transports),
+            self.config.disk.capacity if store is not None else 0,
+        )
+        hooks = LinkHooks(self.take_grant_key, self.link_registered, self.fail, self.stats)
+        urls = split_urls(s.manager_url)
+        for i, url in enumerate(urls):
+            disk = None
+            if store is not None:  # each shard's orders, over the one store and buffer
+                disk = DiskRole(
+                    store, self.buffer.view, self.node_id, self.config.disk.io_threads, gate.fence
+                )
+            self.links.append(
+                ManagerLink(
+                    self.config, url, Shard(i, len(urls)), identity, self.buffer.view, hooks, disk
+                )
+            )
         for link in self.links:
             link.start()
         log.info(

@@ -69,10 +69,14 @@ def run_client(
     timeout: float = 60.0,
     **options: int | float,
 ) -> dict[str, Any]:
-    """Run tests/cluster/vm_client.py in a client VM; its JSON report."""
-    argv = [sys.executable, "-m", "tests.cluster.vm_client", op, "--namespace", namespace]
+    """Store (`op="store"`) or load prompts in a client VM with the cluster's workload
+    (polarkv_lib/cluster/workload.py, as `polarkv bench cluster` does); its JSON report.
+    `options`: prompts, first_prompt, chunks, size, timeout."""
+    phase = {"store": "fill", "load": "load"}[op]
+    options = {"prompts": 1, "chunks": 64, "size": 256 * 1024, **options}
+    argv = [sys.executable, "-m", "polarkv_lib.cluster.workload", phase, "--namespace", namespace]
     for key, value in options.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        argv += [f"--{'first' if key == 'first_prompt' else key}", str(value)]
     done = cluster.run_in(vm, argv, timeout)
     report = orjson.loads(done.stdout.splitlines()[-1])
     assert isinstance(report, dict)

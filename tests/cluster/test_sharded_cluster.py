@@ -14,8 +14,9 @@ import orjson
 from polarkv_lib.cluster.harness import Cluster
 from polarkv_lib.keys import chunk_keys
 from polarkv_lib.shards import shard_of
+from polarkv_lib.workload import CHUNK_TOKENS
+from polarkv_lib.workload import prompt_tokens as tokens
 from tests.cluster.conftest import MakeCluster, run_client
-from tests.cluster.vm_client import CHUNK_TOKENS, tokens
 
 SIZE = 256 * 1024
 FAST = ("log.level=warning", "manager.heartbeat_ttl=1s", "slab.heartbeat_interval=200ms")

@@ -84,6 +84,26 @@ def test_unwritable_disk_path_names_the_key(tmp_path: Path) -> None:
     assert "disk.paths" in done.stderr and "not writable" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("store", "needle"),
+    [
+        ("polarkv_lib.nowhere:store", "cannot import 'polarkv_lib.nowhere'"),
+        ("nvme", "neither a known store (local)"),
+    ],
+)
+def test_a_disk_store_that_names_nothing_is_one_line(
+    tmp_path: Path, store: str, needle: str
+) -> None:
+    done = run(
+        *("--role", "slab", "--role", "disk", "--set", "slab.listen=127.0.0.1:0"),
+        *("--set", f"disk.store={store}", "--set", f"disk.paths={tmp_path}/disk"),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("polarkv: disk.store: ") and needle in lines[0]
+
+
 def test_refuses_to_listen_beyond_loopback_without_a_token(tmp_path: Path) -> None:
     done = run("--role", "manager", "--set", "manager.listen=0.0.0.0:0", cwd=tmp_path)
     assert done.returncode == 2

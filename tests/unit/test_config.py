@@ -275,6 +275,8 @@ def test_set_values_keep_text_after_first_equals() -> None:
         ({"overrides": ["disk.o_direct=maybe"]}, "disk.o_direct"),
         ({"overrides": ["manager.listen=nowhere"]}, "manager.listen"),
         ({"overrides": ["disk.paths=[1, 2]"]}, "disk.paths"),
+        ({"overrides": ["disk.store="]}, "disk.store"),
+        ({"overrides": ["disk.remote=10.0.0.2:8172"]}, "disk.remote: is read by a remote store"),
         ({"overrides": ["manager.memory_high_watermark=high"]}, "manager.memory_high_watermark"),
         ({"environ": {"POLARKV_SLAB__MEMORY": "-5"}}, "slab.memory"),
         ({"environ": {"POLARKV_MANAGER__WRITE_LEASE": "30 days"}}, "manager.write_lease"),

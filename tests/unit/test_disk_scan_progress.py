@@ -12,8 +12,8 @@ import pytest
 import xxhash
 from structlog.testing import capture_logs
 
+from polarkv_lib import progress
 from polarkv_lib.node.disk import DiskStore
-from polarkv_lib.tools import progress
 
 
 def test_disk_scan_logs_progress_per_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

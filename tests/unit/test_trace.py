@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from polarkv_lib.stats import percentile
 from polarkv_lib.tools.presets import PRESETS, preset
-from polarkv_lib.tools.replay.report import TtftModel, percentile, spread, summarize
+from polarkv_lib.tools.replay.report import TtftModel, spread, summarize
 from polarkv_lib.tools.replay.runner import ReplayResult, ReplaySettings, RequestResult
 from polarkv_lib.tools.replay.trace import TraceError, load_trace
 
@@ -84,8 +85,8 @@ def test_prefill_model_matches_the_papers_recompute_time() -> None:
 
 def test_percentiles() -> None:
     values = [float(v) for v in range(1, 11)]
-    assert percentile(values, 50) == 5.0 and percentile(values, 90) == 9.0
-    assert percentile([7.0], 90) == 7.0
+    assert percentile(values, 0.5) == 5.0 and percentile(values, 0.9) == 9.0
+    assert percentile([7.0], 0.9) == 7.0
     assert spread(values) == {"p50": 5.0, "p90": 9.0, "mean": 5.5}
 
 

@@ -13,7 +13,7 @@ Rooms:
     datapath, disk (+ disk_plan, disk_files, disk_node), load, peers (+ peers_*), manager
                 one module per benchmark
 
-Services are started with polarkv_lib/tools/service.py (the one starter, also used by
+Services are started with polarkv_lib/service.py (the one starter, also used by
 the demo and the tests).
 
 Adding a benchmark `foo`:
@@ -22,7 +22,7 @@ Adding a benchmark `foo`:
    `foo_*.py`). Parse arguments into a frozen plan, raising `core.BadArguments`; measure
    ours and the baseline side by side per round into `Pairs` subclasses; print
    `core.markdown_table(...)`; write `core.write_json(...)` when `--json` is given; show
-   progress with `polarkv_lib.tools.progress.progress`. End it with a click command named
+   progress with `polarkv_lib.progress.progress`. End it with a click command named
    `command` whose body is `core.guarded("foo", lambda: run(parse_plan(...), json_path))`,
    where `run` returns False when a byte or a measurement was wrong (exit 3).
 2. Add one line to `BENCHES` in `cli.py`: `"foo": "polarkv_lib.tools.bench.foo",`.

@@ -7,6 +7,8 @@ import importlib
 
 import click
 
+from polarkv_lib.tools import extras
+
 # name -> module with a click command called `command`; one line per benchmark.
 BENCHES: dict[str, str] = {
     "datapath": "polarkv_lib.tools.bench.datapath",
@@ -35,4 +37,5 @@ class _LazyGroup(click.Group):
 @click.group(cls=_LazyGroup)
 def bench() -> None:
     """Benchmarks (they report speed beside a limit measured in the same run; tests
-    check behaviour)."""
+    check behaviour). They need the bench extra: pip install 'polarkv[bench]'."""
+    extras.require("bench", "bench")

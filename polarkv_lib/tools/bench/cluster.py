@@ -34,8 +34,8 @@ from polarkv_lib.cluster import netns
 from polarkv_lib.cluster.harness import Cluster
 from polarkv_lib.cluster.netns import ClusterError
 from polarkv_lib.cluster.spec import ClusterSpec
+from polarkv_lib.progress import progress
 from polarkv_lib.tools.bench import core
-from polarkv_lib.tools.progress import progress
 
 LAYOUTS = ("tiered", "global", "memory", "memory-ws")
 MB = 1e6

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import click
 
+from polarkv_lib import service
 from polarkv_lib.client.async_client import AsyncPolarKVClient
-from polarkv_lib.tools import service
+from polarkv_lib.progress import progress
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.core import MiB, Pairs, size_text
 from polarkv_lib.tools.bench.limits import (
@@ -47,7 +48,6 @@ from polarkv_lib.tools.bench.limits import (
     memcpy_limit,
     socket_limit,
 )
-from polarkv_lib.tools.progress import progress
 from polarkv_lib.transport import rdma_unavailable
 
 TRANSPORTS = ("tcp", "shm", "rdma")

@@ -33,6 +33,7 @@ import xxhash
 from polarkv_lib.errors import DiskFailure
 from polarkv_lib.node.buffer import SlabBuffer
 from polarkv_lib.node.disk import DiskStore
+from polarkv_lib.progress import progress
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench import disk_files as files
 from polarkv_lib.tools.bench.core import BenchError, MiB, gbps, size_text
@@ -40,7 +41,6 @@ from polarkv_lib.tools.bench.disk_large import large_part
 from polarkv_lib.tools.bench.disk_node import fit_part, service_part
 from polarkv_lib.tools.bench.disk_plan import GOALS, PARTS, Plan, Row, parse_plan
 from polarkv_lib.tools.bench.measure import CpuWatch
-from polarkv_lib.tools.progress import progress
 from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE
 
 STORE_ROUNDS = 5

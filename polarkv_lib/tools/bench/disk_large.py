@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from polarkv_lib.client.async_client import AsyncPolarKVClient
+from polarkv_lib.service import Service, running
 from polarkv_lib.tools.bench import disk_files as files
 from polarkv_lib.tools.bench.core import BenchError, MiB, gbps
 from polarkv_lib.tools.bench.disk_node import (
@@ -30,7 +31,6 @@ from polarkv_lib.tools.bench.disk_node import (
     _stats,
 )
 from polarkv_lib.tools.bench.disk_plan import CALLERS, Plan, Row
-from polarkv_lib.tools.service import Service, running
 from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE
 
 ROUNDS = 3

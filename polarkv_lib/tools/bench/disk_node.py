@@ -22,11 +22,11 @@ from polarkv_lib.client.async_client import AsyncPolarKVClient
 from polarkv_lib.errors import PolarKVError
 from polarkv_lib.keys import chunk_keys
 from polarkv_lib.node.disk import DiskStore
+from polarkv_lib.service import Service, running
 from polarkv_lib.tools.bench import disk_files as files
 from polarkv_lib.tools.bench.core import BenchError, MiB, gbps
 from polarkv_lib.tools.bench.disk_plan import CALLERS, Plan, Row
 from polarkv_lib.tools.bench.measure import CpuWatch
-from polarkv_lib.tools.service import Service, running
 from polarkv_lib.wire.orders import FILE_HEADER_SIZE as HEADER_SIZE
 
 SERVICE_ROUNDS = 3

@@ -11,9 +11,9 @@ import tempfile
 import click
 import orjson
 
+from polarkv_lib.service import running_service
 from polarkv_lib.tools import loadgen
 from polarkv_lib.tools.bench import core
-from polarkv_lib.tools.service import running_service
 
 
 def run(

@@ -19,6 +19,8 @@ import orjson
 
 from polarkv_lib.client.admin import AdminClient
 from polarkv_lib.errors import PolarKVError
+from polarkv_lib.progress import progress
+from polarkv_lib.service import Service, running
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.manager_plan import (
     BATCH,
@@ -36,8 +38,6 @@ from polarkv_lib.tools.bench.manager_plan import (
     Table,
 )
 from polarkv_lib.tools.bench.measure import proc_rss
-from polarkv_lib.tools.progress import progress
-from polarkv_lib.tools.service import Service, running
 
 RENEW_BATCH = 4096  # lease ids per renew or release request (the manager's max_batch)
 RENEW_EVERY_S = 1.0  # well within a read lease (5 s by default)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polarkv_lib.stats import percentile
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.core import MiB, Pairs
 
@@ -42,8 +43,7 @@ class Row(Pairs):
     )  # the manager's first requests, all rounds
 
     def percentile(self, q: float) -> float:
-        lat = sorted(self.latency_ms)
-        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
+        return percentile(self.latency_ms, q)
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 
 import click
 
-from polarkv_lib.tools import service
+from polarkv_lib import service
+from polarkv_lib.progress import progress
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.core import MiB, Pairs, gbps, size_text
 from polarkv_lib.tools.bench.limits import Buffers, RawServer, socket_limit
 from polarkv_lib.tools.bench.peers_base import Peer, PeerUnavailable, PolarKVPeer
 from polarkv_lib.tools.bench.plot import bar_chart
-from polarkv_lib.tools.progress import progress
 
 SYSTEMS = ("polarkv-tcp", "polarkv-shm", "redis", "redis-pipelined", "mooncake")
 ROUNDS = 3
@@ -163,7 +163,7 @@ def _round(
             if not exact:
                 load.notes.append("BYTES DIFFER")
             peer.forget(n, tag)
-        except (PeerUnavailable, core.BenchError) as exc:
+        except (PeerUnavailable, core.BenchError, service.ServiceError) as exc:
             broken[peer.name] = str(exc)  # a peer that fails mid-run: reported, others go on
 
 
@@ -184,7 +184,9 @@ def measure(plan: Plan, workdir: str, skipped: dict[str, str], notes: list[str])
                 bufs = Buffers(size, n)
                 if k == 0:
                     for peer in peers:
-                        with contextlib.suppress(PeerUnavailable, core.BenchError):
+                        with contextlib.suppress(
+                            PeerUnavailable, core.BenchError, service.ServiceError
+                        ):
                             peer.warm_up(bufs, n, tags, notes)
                 for _ in range(plan.rounds):
                     _round(peers, server, bufs, n, plan.concurrency, rows, tags, skipped)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,10 +48,11 @@ from typing import Any
 import click
 import orjson
 
+from polarkv_lib.progress import progress
+from polarkv_lib.service import Service, running
+from polarkv_lib.stats import percentile
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.plot import bar_chart
-from polarkv_lib.tools.progress import progress
-from polarkv_lib.tools.service import Service, running
 from polarkv_lib.tools.tiny_llama import TinyLlama
 from polarkv_lib.tools.vllm_server import (
     ROOT,
@@ -81,13 +81,8 @@ class Cell:
     wrong: int = 0
 
     def pct(self, q: float) -> float:
-        """The q-quantile (nearest rank; the median for 0.5)."""
-        if not self.ttft:
-            return 0.0
-        if q == 0.5:
-            return statistics.median(self.ttft)
-        values = sorted(self.ttft)
-        return values[min(len(values) - 1, max(0, -(-int(q * 100) * len(values) // 100) - 1))]
+        """The q-quantile (stats.percentile: nearest rank)."""
+        return percentile(self.ttft, q)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -178,6 +178,8 @@ def replay(
     # library that configures the root logger on import then finds it already set).
     logging.basicConfig(level=logging.WARNING, format="polarkv replay: %(name)s: %(message)s")
     from polarkv_lib.config import load_config
+    from polarkv_lib.service import ServiceError
+    from polarkv_lib.tools import extras
     from polarkv_lib.tools.bench.core import BenchError
     from polarkv_lib.tools.presets import preset
     from polarkv_lib.tools.replay import report, runner
@@ -248,6 +250,8 @@ def replay(
         )
     if ttft.disk_bandwidth is not None and ttft.load_bandwidth is None:
         _fail("--disk-bandwidth needs --load-bandwidth (the rate of memory hits)")
+    if plot_path:  # before the replay: a missing extra must not cost the run
+        extras.require("replay --plot", "bench")
     try:
         requests = load_trace(trace_path, _number(limit, "--requests", int, 1) if limit else None)
     except TraceError as exc:
@@ -255,7 +259,7 @@ def replay(
     route_fn = _router(route, n_nodes, _number(session_blocks, "--session-blocks", int, 1))
     try:
         run = _run(requests, manager_url, n_nodes, roles, config, options, route_fn)
-    except BenchError as exc:
+    except (BenchError, ServiceError) as exc:
         _fail(str(exc), ExitCode.RUNTIME)
     summary = report.summarize(run, options, ttft, per_request)
     summary["trace"] = trace_path
@@ -285,7 +289,7 @@ def _run(
     options: ReplaySettings,
     route: Callable[[int, Request], int],
 ) -> ReplayResult:
-    from polarkv_lib.tools import service
+    from polarkv_lib import service
     from polarkv_lib.tools.replay import runner
 
     with contextlib.ExitStack() as stack:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from polarkv_lib.stats import percentile
 from polarkv_lib.tools.replay.runner import ReplayResult, ReplaySettings, RequestResult
 
 
@@ -39,19 +40,12 @@ class TtftModel:
         return r.input_tokens * self.prefill_s_per_token
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
-
-
 def spread(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"p50": 0.0, "p90": 0.0, "mean": 0.0}
     return {
-        "p50": round(percentile(values, 50), 6),
-        "p90": round(percentile(values, 90), 6),
+        "p50": round(percentile(values, 0.5), 6),
+        "p90": round(percentile(values, 0.9), 6),
         "mean": round(statistics.fmean(values), 6),
     }
 

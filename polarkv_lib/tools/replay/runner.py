@@ -21,8 +21,8 @@ from polarkv_lib.client import PolarKVClient
 from polarkv_lib.client.admin import AdminClient
 from polarkv_lib.errors import PolarKVError
 from polarkv_lib.keys import chunk_keys
+from polarkv_lib.progress import progress
 from polarkv_lib.tools.bench.core import BenchError
-from polarkv_lib.tools.progress import progress
 from polarkv_lib.tools.replay.trace import Request
 
 

@@ -39,8 +39,10 @@ class Progress:
         self._bar: object | None = None
         self._last_log = time.monotonic()
         if tty:
-            from tqdm import tqdm  # imported here: only terminals pay for it
-
+            try:  # imported here: only terminals pay for it; tqdm comes with the bench extra
+                from tqdm import tqdm
+            except ImportError:  # a daemon installed without extras: no bar, still counts
+                return
             self._bar = tqdm(
                 total=total, desc=desc, unit=unit, file=stream, dynamic_ncols=True, leave=True
             )

@@ -1,4 +1,11 @@
-"""Start real `polarkv` processes for a benchmark, tool, demo or test, and always stop them."""
+"""Start real `polarkv` processes for a benchmark, tool, demo, test or the cluster
+harness, and always stop them.
+
+The one starter: it builds the command line (`--role`, `--set`, `--ready-file`), makes
+a source checkout importable, and waits for the ready file the process writes once it
+serves. A `wrapper` prefix runs the command somewhere else, as the cluster harness runs
+it inside a VM (`ip netns exec ... enter HOST --`, cluster/procs.py `in_vm`): every step
+of the wrapper execs the next, so the pid is still the service's own."""
 
 from __future__ import annotations
 
@@ -15,15 +22,44 @@ from typing import Any
 import orjson
 
 import polarkv_lib
+from polarkv_lib.errors import PolarKVError
 from polarkv_lib.node.buffer import remove_stale_buffers
-from polarkv_lib.tools.bench.core import BenchError
 
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 15.0  # the service's own shutdown bound is 10 s
 
 
-class ServiceError(BenchError):
+class ServiceError(PolarKVError):
     """The service could not be started."""
+
+
+def child_env(extra: Mapping[str, str] = {}, inherit_settings: bool = True) -> dict[str, str]:
+    """The environment of a started process: this one's (without its POLARKV_* settings
+    unless `inherit_settings`), a source checkout importable, and `extra` on top."""
+    env = {k: v for k, v in os.environ.items() if inherit_settings or not k.startswith("POLARKV_")}
+    root = Path(polarkv_lib.__file__).resolve().parent.parent
+    if (root / "polarkv.py").exists():  # a source checkout: make `-m polarkv` importable
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def polarkv_argv(
+    roles: Sequence[str],
+    settings: Mapping[str, str | None],
+    ready_file: str,
+    config_file: str | os.PathLike[str] | None = None,
+) -> list[str]:
+    """`python -m polarkv` with these roles and `--set`s (a None value: not set)."""
+    argv = [sys.executable, "-m", "polarkv"]
+    for role in roles:
+        argv += ["--role", role]
+    if config_file is not None:
+        argv += ["--config", os.fspath(config_file)]
+    for key, value in settings.items():
+        if value is not None:
+            argv += ["--set", f"{key}={value}"]
+    return [*argv, "--ready-file", ready_file]
 
 
 class Service:
@@ -34,7 +70,16 @@ class Service:
     `settings` become `--set key=value`; a None value drops the key (the config file,
     the environment or the default decides). `env` is added to this process's
     environment, `max_files` caps its open files (RLIMIT_NOFILE, through util-linux's
-    `prlimit`), and `extra_args` go last on the command line."""
+    `prlimit`), and `extra_args` go last on the command line.
+
+    Where it runs: `wrapper` is a command prefix that execs the service (a VM's
+    namespaces); `argv` replaces polarkv's command line with another program that writes
+    the same ready file (the cluster's remote disk server); `loopback=False` leaves the
+    listen addresses to `settings`; `ready_file` and `log_path` default to the workdir;
+    `inherit_settings=False` drops this process's POLARKV_* variables; `append_log` keeps
+    an earlier run's log (a restarted VM service); `new_session` detaches it from this
+    terminal's signals; `shm_dir` is its `slab.shm_dir` (a crashed node's buffer is
+    removed from there)."""
 
     def __init__(
         self,
@@ -48,44 +93,50 @@ class Service:
         config_file: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
         max_files: int | None = None,
+        wrapper: Sequence[str] = (),
+        argv: Sequence[str] | None = None,
+        loopback: bool = True,
+        ready_file: str | os.PathLike[str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        inherit_settings: bool = True,
+        append_log: bool = False,
+        new_session: bool = False,
+        shm_dir: str = "/dev/shm",
     ) -> None:
         os.makedirs(workdir, exist_ok=True)
         self.stop_timeout = stop_timeout  # a manager with a big table flushes longer
         self.start_timeout = start_timeout
         self.started = 0.0  # time.monotonic() when the process was started
         self.workdir = workdir
-        self.ready_file = os.path.join(workdir, "ready.json")
-        self.log_path = os.path.join(workdir, "service.log")
-        self._cmd = [sys.executable, "-m", "polarkv"]
-        if max_files is not None:
-            self._cmd = ["prlimit", f"--nofile={max_files}:{max_files}", *self._cmd]
-        for role in roles:
-            self._cmd += ["--role", role]
-        if config_file is not None:
-            self._cmd += ["--config", os.fspath(config_file)]
-        base = {
-            "manager.listen": "127.0.0.1:0",
-            "slab.listen": "127.0.0.1:0",
-            "log.level": "warning",
-        }
-        for key, value in {**base, **settings}.items():
-            if value is not None:
-                self._cmd += ["--set", f"{key}={value}"]
-        self._cmd += ["--ready-file", self.ready_file, *extra_args]
+        self.ready_file = os.fspath(ready_file or os.path.join(workdir, "ready.json"))
+        self.log_path = os.fspath(log_path or os.path.join(workdir, "service.log"))
+        base = {"manager.listen": "127.0.0.1:0", "slab.listen": "127.0.0.1:0"} if loopback else {}
+        base["log.level"] = "warning"
+        if argv is None:
+            argv = polarkv_argv(roles, {**base, **settings}, self.ready_file, config_file)
+        limit = ["prlimit", f"--nofile={max_files}:{max_files}"] if max_files is not None else []
+        self._cmd = [*wrapper, *limit, *argv, *extra_args]
         self._env = dict(env or {})
+        self._inherit = inherit_settings
+        self._append = append_log
+        self._new_session = new_session
+        self._shm_dir = shm_dir  # where a killed node's buffer is left (slab.shm_dir)
         self._proc: subprocess.Popen[bytes] | None = None
         self._node_id = ""
         self.info: dict[str, Any] = {}  # the ready file's contents, once ready
         self.url = ""
 
+    @property
+    def command(self) -> list[str]:
+        return list(self._cmd)
+
     def start(self) -> None:
-        env = {**os.environ, **self._env}
-        root = Path(polarkv_lib.__file__).resolve().parent.parent
-        if (root / "polarkv.py").exists():  # a source checkout: make `-m polarkv` importable
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        env = child_env(self._env, self._inherit)
         with contextlib.suppress(FileNotFoundError):  # a previous run's, in the same workdir
             os.unlink(self.ready_file)
-        with open(self.log_path, "wb") as log_file:
+        os.makedirs(os.path.dirname(self.ready_file) or ".", exist_ok=True)
+        os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+        with open(self.log_path, "ab" if self._append else "wb") as log_file:
             self.started = time.monotonic()
             self._proc = subprocess.Popen(
                 self._cmd,
@@ -94,6 +145,7 @@ class Service:
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
+                start_new_session=self._new_session,
             )
 
     @property
@@ -112,11 +164,11 @@ class Service:
         while not os.path.exists(self.ready_file):
             if self._proc.poll() is not None:
                 raise ServiceError(
-                    f"polarkv exited with {self._proc.returncode}:\n{self.log_tail()}"
+                    f"exited with {self._proc.returncode} ({self.log_path}):\n{self.log_tail()}"
                 )
             if time.monotonic() > deadline:
                 raise ServiceError(
-                    f"polarkv not ready in {self.start_timeout:.0f}s:\n{self.log_tail()}"
+                    f"not ready in {self.start_timeout:.0f}s ({self.log_path}):\n{self.log_tail()}"
                 )
             time.sleep(0.05)
         with open(self.ready_file, "rb") as fh:
@@ -159,7 +211,7 @@ class Service:
         """Killed or crashed: its /dev/shm buffer would hold the memory until reboot (its
         node id carries a random port, so no later node reclaims it)."""
         if self._node_id:
-            remove_stale_buffers("/dev/shm", self._node_id)
+            remove_stale_buffers(self._shm_dir, self._node_id)
 
     def log_text(self) -> str:
         """Everything it has printed so far."""
