@@ -31,6 +31,8 @@ from typing import Any
 
 import aiohttp
 
+from polarkv_lib.progress import progress
+from polarkv_lib.service import Service, running
 from polarkv_lib.shards import Shard
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.manager_load import (
@@ -41,8 +43,6 @@ from polarkv_lib.tools.bench.manager_load import (
 )
 from polarkv_lib.tools.bench.manager_plan import BATCH, REQUEST_TIMEOUT, SERVICE_TIMEOUT, Plan
 from polarkv_lib.tools.bench.measure import proc_cpu
-from polarkv_lib.tools.progress import progress
-from polarkv_lib.tools.service import Service, running
 
 GRANT_KEY = "bench-shards-grant-key-0123456789abcdef"  # every shard signs with one key
 FRESH = 10**9  # key indexes of new entries start here, far past the resident ones
