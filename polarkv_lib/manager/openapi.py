@@ -14,6 +14,7 @@ from polarkv_lib.manager.events import CAPACITY as EVENTS_CAPACITY
 from polarkv_lib.manager.events import Kind
 from polarkv_lib.manager.model import TenantStats
 from polarkv_lib.manager.views import STATS_KEYS
+from polarkv_lib.wire.control import CONFIRM_BATCH
 from polarkv_lib.wire.orders import TierOp
 
 KEY = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
@@ -493,7 +494,10 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                     {
                         "node_id": NODE_ID,
                         "incarnation": INCARNATION,
-                        "held": batch(obj({"offset": OFFSET, "checksum": CHECKSUM, "ok": BOOL})),
+                        "held": {
+                            **arr(obj({"offset": OFFSET, "checksum": CHECKSUM, "ok": BOOL})),
+                            "maxItems": CONFIRM_BATCH,  # answers the manager's own batch
+                        },
                     }
                 ),
                 errors=(400, 401, 403, 413),

@@ -15,10 +15,10 @@ from polarkv_lib.keys import KEY_LENGTH, ident
 from polarkv_lib.manager.model import Entry, Node, Residency, RestoreJob, State
 from polarkv_lib.manager.rows import Batch, EntryRow, NodeRow
 from polarkv_lib.manager.tables import Tables
+from polarkv_lib.wire.control import CONFIRM_BATCH
 
-# How long a registered slab has to confirm its memory extents, and how many per request.
+# How long a registered slab has to confirm its memory extents.
 CONFIRM_TIMEOUT = 10.0
-CONFIRM_BATCH = 16384
 
 
 class Snapshots(Tables):

@@ -22,6 +22,11 @@ _LEASE = re.compile(r"[0-9a-f]{16,64}")
 _NODE_ID = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,128}")
 
 
+# Extents a restarted manager asks one slab to confirm per reply (and so the most one
+# `held` list answers): a batch hashes in well under a second.
+CONFIRM_BATCH = 16384
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_batch: int
@@ -59,14 +64,19 @@ def _field(
     return value
 
 
-def _batch(body: dict[str, Any], name: str, limits: Limits, allow_empty: bool = False) -> list[Any]:
+def _batch(
+    body: dict[str, Any],
+    name: str,
+    limits: Limits,
+    allow_empty: bool = False,
+    most: int | None = None,
+) -> list[Any]:
     items: list[Any] = _field(body, name, list)
     if not items and not allow_empty:
         raise BadRequest(f"'{name}' must not be empty")
-    if len(items) > limits.max_batch:
-        raise BadRequest(
-            f"'{name}' has {len(items)} entries, the maximum is {limits.max_batch}", 413
-        )
+    most = limits.max_batch if most is None else most
+    if len(items) > most:
+        raise BadRequest(f"'{name}' has {len(items)} entries, the maximum is {most}", 413)
     return items
 
 
@@ -311,7 +321,10 @@ def parse_confirm(
     """A slab's answers to the manager's checks of its memory extents after a restart:
     `held` lists {offset, checksum, ok} (the payload there still hashes to it)."""
     out = []
-    for i, item in enumerate(_batch(body, "held", limits, allow_empty=True)):
+    # The answer to the manager's own question, which names up to CONFIRM_BATCH extents
+    # whatever manager.max_batch is.
+    held = _batch(body, "held", limits, allow_empty=True, most=CONFIRM_BATCH)
+    for i, item in enumerate(held):
         where = f"held[{i}]"
         if not isinstance(item, dict):
             raise BadRequest(f"{where} must be an object with offset, checksum and ok")

@@ -7,6 +7,7 @@ import contextlib
 import os
 import sqlite3
 import subprocess
+from pathlib import Path
 
 from polarkv_lib.client import PolarKVClient
 from tests.conftest import PG, Cluster, PolarKV, free_port, http, pg, stats, wait_for
@@ -106,3 +107,27 @@ def test_postgres_restart_under_the_manager(cluster: Cluster, clean_pg: None) ->
         wait_for(lambda: http("GET", url + "/healthz")[1]["metadata_store"] == "ok", timeout=30)
         wait_for(lambda: pg("SELECT count(*) FROM polarkv_entries")[0][0] == 8, timeout=15)
     assert "write-behind caught up" in manager.log()
+
+
+def test_a_restart_confirms_more_entries_than_one_request_may_carry(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A restarted manager asks the slab to confirm its extents in batches larger than
+    manager.max_batch: the slab's answers are accepted, and every entry comes back."""
+    metadata_url = f"sqlite:///{tmp_path}/meta.db"
+    port = free_port()
+    manager = _manager(cluster, port, metadata_url, "m1")
+    url = manager.manager_url
+    cluster.slab(url, slab__memory="64MiB", slab__node_id="vm-1")
+    keys = [f"{i:032x}" for i in range(6000)]  # more than max_batch (4096) in memory
+    values = [i.to_bytes(4, "little") * 1024 for i in range(len(keys))]
+    with PolarKVClient(url, timeout=30, breaker_interval=0.1) as c:
+        assert c.put_many(keys, values) == len(keys)
+        wait_for(lambda: _rows(metadata_url) >= len(keys), timeout=30)
+        manager.kill()
+        _manager(cluster, port, metadata_url, "m2")
+        wait_for(lambda: stats(url)["keys_memory"] == len(keys), timeout=60)
+        got = c.get_many(keys)
+        assert len(got) == len(keys) and all(
+            bytes(g) == v for g, v in zip(got, values, strict=True)
+        )
