@@ -307,6 +307,9 @@ class ManagerService(NodeRoutes):
                 "nodes": stats["nodes"],
                 "keys_memory": stats["keys_memory"],
                 "metadata_store": "retrying" if self.flush_failures else "ok",
+                # write-behind rounds (writebehind.py): wait for a flush, never sleep
+                "metadata_taken_seq": self.writer.taken_seq,
+                "metadata_flushed_seq": self.writer.flushed_seq,
                 "shard": str(self.guard.shard),
                 "key_range": self.guard.shard.describe(),
                 "shard_urls": list(self.shard_urls),

@@ -241,6 +241,8 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         "nodes": INT,
                         "keys_memory": INT,
                         "metadata_store": {"enum": ["ok", "retrying"]},
+                        "metadata_taken_seq": INT,
+                        "metadata_flushed_seq": INT,
                         "shard": STR,
                         "key_range": STR,
                         "shard_urls": arr(STR),

@@ -5,6 +5,12 @@ A batch taken from the core and not written (store down, or the task cancelled i
 middle of a write) is marked changed again, so it is never lost while the process
 lives. A graceful stop never cancels a write: it asks the task for one last flush of
 everything committed until then and waits for it, within a bound.
+
+Rounds are numbered: `taken_seq` counts the rounds that have taken changes from the
+core, `flushed_seq` is the number of the last round written whole (an empty round
+counts). A change committed before `taken_seq` read n is in the store once
+`flushed_seq` > n: round n + 1 took it (or its requeued batch went with a later one).
+/healthz shows both, so tests and benchmarks wait for a flush instead of sleeping.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ class WriteBehind:
         self.events = events
         self.interval = interval
         self.failures = 0  # consecutive failed writes (0: the store is caught up)
+        self.taken_seq = 0  # rounds that took changes from the core
+        self.flushed_seq = 0  # the last round written whole
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -55,7 +63,10 @@ class WriteBehind:
     async def flush(self) -> bool:
         """Write what changed since the last flush. False if the store failed (kept)."""
         batch = self.meta.take_changes()
+        self.taken_seq += 1
+        seq = self.taken_seq
         if not len(batch):
+            self.flushed_seq = seq
             return True
         try:
             await self.store.write(batch)
@@ -80,6 +91,7 @@ class WriteBehind:
             log.info("metadata write-behind caught up", after_failures=self.failures)
             self.events.add(Kind.STORE_CAUGHT_UP, "metadata", "metadata store caught up")
             self.failures = 0
+        self.flushed_seq = seq
         return True
 
     async def _loop(self) -> None:
