@@ -32,7 +32,7 @@ from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.metrics import ManagerMetrics
 from polarkv_lib.manager.model import AllocStatus, Entry, Node, Step, Wait
-from polarkv_lib.manager.node_routes import NodeRoutes
+from polarkv_lib.manager.node_routes import GrantIdentity, NodeHooks, NodeRoutes
 from polarkv_lib.manager.openapi import openapi_spec
 from polarkv_lib.manager.responses import error_response, json_response
 from polarkv_lib.manager.server import TimedRunner, Timeouts
@@ -51,7 +51,7 @@ from polarkv_lib.wire.grants import Grant, Op, epoch_key, sign
 log = structlog.get_logger("polarkv.manager")
 
 
-class ManagerService(NodeRoutes):
+class ManagerService:
     def __init__(self, config: Config) -> None:
         m = config.manager
         self.config = config
@@ -67,7 +67,10 @@ class ManagerService(NodeRoutes):
             tenants=config.security.tenancy,
         )
         self.metrics = ManagerMetrics(
-            self.meta.stats, self.meta.tier_failures, self.meta.node_views, self.meta.tenant_views
+            self.meta.views.stats,
+            self.meta.views.tier_failures,
+            self.meta.views.node_views,
+            self.meta.views.tenant_views,
         )
         self.limits = control.Limits(m.max_batch, m.max_object_size)
         self.guard = ShardGuard(Shard.parse(m.shard))  # every request's keys pass it
@@ -89,15 +92,24 @@ class ManagerService(NodeRoutes):
             middlewares=[middleware(auth, self.browser, self.metrics)],
         )
         self.events = EventRing()  # recent events for the status page (manager/events.py)
-        self._add_routes()
-        # Tiering hand-offs: each node's disk role long-polls for orders; lookups wait on
-        # reloads; writes wait for room that offloads are making.
-        self._order_events: dict[str, asyncio.Event] = {}
+        # Tiering hand-offs: each node's disk role long-polls for orders (node_routes.py);
+        # lookups wait on reloads; writes wait for room that offloads are making.
         self._reloads: dict[int, asyncio.Future[None]] = {}  # entry gen -> reload settled
         self._freed = asyncio.Event()
         self._restore_wanted = asyncio.Event()
         self._restored = asyncio.Event()  # set while no restore is running
         self._restored.set()
+        self.node_routes = NodeRoutes(  # register, heartbeat, orders, done, adopt, confirm
+            self.meta,
+            self.guard,
+            self.events,
+            self.metrics,
+            self.limits,
+            GrantIdentity(self.grant_key, self.incarnation, self._grant_key_shared),
+            NodeHooks(self._kick, self._signal_freed, self._settle_reload, self._start_restore),
+            self._restored,
+        )
+        self._add_routes()
         self._runner: TimedRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._restorer: asyncio.Task[None] | None = None
@@ -122,7 +134,7 @@ class ManagerService(NodeRoutes):
         r.add_post("/v1/abort", self.abort)
         r.add_post("/v1/release", self.release)
         r.add_post("/v1/renew", self.renew)
-        self._add_node_routes(r)  # manager/node_routes.py
+        self.node_routes.add_routes(r)  # manager/node_routes.py
         OperatorRoutes(  # page, events, drain
             self.events, self.meta, self._kick, self.browser, lambda request: request[TENANT]
         ).add_routes(self.app)
@@ -140,7 +152,7 @@ class ManagerService(NodeRoutes):
             nodes, entries = await self.store.load()
             if self.guard.shard.count > 1:
                 entries = [e for e in entries if self.guard.shard.owns(e.key)]  # this shard's range
-            self.meta.restore(nodes, entries)
+            self.meta.snapshots.restore(nodes, entries)
         finally:
             gc.enable()
         gc.freeze()
@@ -219,18 +231,18 @@ class ManagerService(NodeRoutes):
             self._restore_wanted.clear()
             started = time.perf_counter()
             with progress(
-                self.meta.restore_left, "metadata restore", "entries", log_lines=True
+                self.meta.snapshots.restore_left, "metadata restore", "entries", log_lines=True
             ) as bar:
-                while self.meta.restoring:
-                    left = self.meta.restore_left
-                    self.meta.restore_step()
-                    bar.update(max(left - self.meta.restore_left, 0))
+                while self.meta.snapshots.restoring:
+                    left = self.meta.snapshots.restore_left
+                    self.meta.snapshots.restore_step()
+                    bar.update(max(left - self.meta.snapshots.restore_left, 0))
                     # Restored entries live long: out of the cyclic collector's reach, or
                     # its full passes over a million of them stall the loop for most of a
                     # second (worst slice at 1M entries: 0.6 s without, 0.16 s with). The
                     # same geometric rule as in steady state: a few freezes, not one per slice.
                     self._freeze_grown_tables()
-                    if self.meta.restore_left == left:
+                    if self.meta.snapshots.restore_left == left:
                         # nothing could be restored: slabs are still confirming their memory
                         # (node_routes.confirm sets the event when one is done)
                         with contextlib.suppress(TimeoutError):
@@ -243,22 +255,16 @@ class ManagerService(NodeRoutes):
             self._kick()
 
     def _start_restore(self) -> None:
-        if self.meta.restoring:
+        if self.meta.snapshots.restoring:
             self._restored.clear()
             self._restore_wanted.set()
 
     # -- tiering hand-offs --------------------------------------------------------------
 
-    def _wake_disk_roles(self) -> None:
-        for node_id in self.meta.nodes_with_orders():
-            event = self._order_events.get(node_id)
-            if event is not None:
-                event.set()
-
     def _kick(self) -> None:
         """Plan tiering and wake the disk roles that have orders now."""
         self.meta.plan_tiering()
-        self._wake_disk_roles()
+        self.node_routes.wake(self.meta.nodes_with_orders())
 
     async def _await(self, step: Step) -> None:
         """Wait for what the core's step names, at most until its deadline. The disk
@@ -294,13 +300,14 @@ class ManagerService(NodeRoutes):
         for gen in [g for g in self._reloads if g not in live]:
             self._settle_reload(gen)
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
         return control.parse_body(await request.read())
 
     # -- admin --------------------------------------------------------------------------
 
     async def healthz(self, request: web.Request) -> web.Response:
-        stats = self.meta.stats()
+        stats = self.meta.views.stats()
         return json_response(
             {
                 "status": "ok",
@@ -317,17 +324,17 @@ class ManagerService(NodeRoutes):
         )
 
     async def stats(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = dict(self.meta.stats())
+        body: dict[str, Any] = dict(self.meta.views.stats())
         if self.tenants.enabled:  # the admin sees every tenant, a tenant itself
             tenant = request[TENANT]
-            views = self.meta.tenant_views()
+            views = self.meta.views.tenant_views()
             body["tenants"] = (
                 views if tenant is None else {label(tenant): views.get(label(tenant), {})}
             )
         return json_response(body)
 
     async def nodes(self, request: web.Request) -> web.Response:
-        return json_response({"nodes": self.meta.node_views()})
+        return json_response({"nodes": self.meta.views.node_views()})
 
     def _path_key(self, request: web.Request) -> str:
         """The entry's key: a tenant's own namespace; the admin's is ?tenant=NAME (or the
@@ -345,7 +352,7 @@ class ManagerService(NodeRoutes):
         return ident(tenant, key)
 
     async def get_key(self, request: web.Request) -> web.Response:
-        view = self.meta.describe(self._path_key(request))
+        view = self.meta.views.describe(self._path_key(request))
         if view is None:
             return error_response("no such key", 404)
         view["key"] = request.match_info["key"]

@@ -16,6 +16,7 @@ a read lease is evicted, offloaded away or reused. Writes: first writer wins.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cached_property
 
 from polarkv_lib.manager.allocator import size_class
 from polarkv_lib.manager.drain import Draining
@@ -44,7 +45,19 @@ from polarkv_lib.manager.snapshot import Snapshots
 from polarkv_lib.manager.views import Views
 
 
-class Metadata(Draining, Snapshots, Views):
+class Metadata(Draining):
+    """The core: the requests over the tables (tables.py), with tiering (tiering.py) and
+    draining (drain.py) as the layers that extend the same transitions. Its read-only
+    views and its persistence are objects that hold the tables (docs/ARCHITECTURE.md)."""
+
+    @cached_property
+    def views(self) -> Views:
+        return Views(self)
+
+    @cached_property
+    def snapshots(self) -> Snapshots:
+        return Snapshots(self)
+
     # -- reads --------------------------------------------------------------------------
     #
     # A lookup answers at once with the prefix that is in memory. Where the prefix
@@ -721,7 +734,7 @@ class Metadata(Draining, Snapshots, Views):
         )
         self.nodes[node_id] = node
         self.dirty_nodes.add(node_id)
-        self._begin_restore(node)
+        self.snapshots.begin(node)
         return node, True
 
     def heartbeat(

@@ -29,12 +29,10 @@ from polarkv_lib.manager.model import (
     Node,
     ReadLease,
     Residency,
-    RestoreJob,
     State,
     TenantStats,
     WriteLease,
 )
-from polarkv_lib.manager.rows import EntryRow, NodeRow
 from polarkv_lib.tenancy import Tenants
 from polarkv_lib.wire.orders import Order, TierOp, file_bytes_bound
 
@@ -82,12 +80,6 @@ class Tables:
         # write-behind: what changed since the last flush (see manager/store.py)
         self.dirty_keys: set[str] = set()
         self.dirty_nodes: set[str] = set()
-        # persisted rows of nodes that have not registered (or finished restoring) since
-        # the manager started, and the keys they name (kept, not deleted, on a flush)
-        self.restored: dict[str, tuple[NodeRow, list[EntryRow]]] = {}
-        self.waiting_keys: set[str] = set()
-        self.restore_jobs: dict[str, RestoreJob] = {}
-        self.restore_slice = 2000  # rows per slice: a few milliseconds between two requests
 
     # -- tables -------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class WriteBehind:
 
     async def flush(self) -> bool:
         """Write what changed since the last flush. False if the store failed (kept)."""
-        batch = self.meta.take_changes()
+        batch = self.meta.snapshots.take_changes()
         self.taken_seq += 1
         seq = self.taken_seq
         if not len(batch):
@@ -71,10 +71,10 @@ class WriteBehind:
         try:
             await self.store.write(batch)
         except asyncio.CancelledError:  # maybe not written: mark its keys again
-            self.meta.requeue(batch)
+            self.meta.snapshots.requeue(batch)
             raise
         except Exception as exc:  # store down: keep the changes, retry later
-            self.meta.requeue(batch)
+            self.meta.snapshots.requeue(batch)
             self.failures += 1
             if self.failures == 1:
                 self.events.add(
