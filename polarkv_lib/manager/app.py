@@ -21,11 +21,10 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from polarkv_lib.config import Config
-from polarkv_lib.errors import BadRequest
-from polarkv_lib.keys import ident, is_valid_key
+from polarkv_lib.keys import ident
+from polarkv_lib.manager.admin_routes import AdminRoutes
 from polarkv_lib.manager.auth import TENANT, Auth, middleware
 from polarkv_lib.manager.browser import BrowserGuard
 from polarkv_lib.manager.core import Metadata
@@ -33,8 +32,7 @@ from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.metrics import ManagerMetrics
 from polarkv_lib.manager.model import AllocStatus, Entry, Node, Step, Wait
 from polarkv_lib.manager.node_routes import GrantIdentity, NodeHooks, NodeRoutes
-from polarkv_lib.manager.openapi import openapi_spec
-from polarkv_lib.manager.responses import error_response, json_response
+from polarkv_lib.manager.responses import json_response
 from polarkv_lib.manager.server import TimedRunner, Timeouts
 from polarkv_lib.manager.shard import ShardGuard
 from polarkv_lib.manager.store import MetadataStore, open_store
@@ -43,7 +41,7 @@ from polarkv_lib.manager.verify import TIMEOUT as VERIFY_TIMEOUT
 from polarkv_lib.manager.verify import Region, bytes_are_bad
 from polarkv_lib.manager.writebehind import WriteBehind
 from polarkv_lib.shards import Shard, split_urls
-from polarkv_lib.tenancy import DEFAULT, label
+from polarkv_lib.tenancy import DEFAULT
 from polarkv_lib.tools.progress import progress
 from polarkv_lib.wire import control
 from polarkv_lib.wire.grants import Grant, Op, epoch_key, sign
@@ -109,25 +107,27 @@ class ManagerService:
             NodeHooks(self._kick, self._signal_freed, self._settle_reload, self._start_restore),
             self._restored,
         )
+        self.store: MetadataStore = open_store(m.metadata_url)
+        self.writer = WriteBehind(self.meta, self.store, self.events, m.metadata_flush)
         self._add_routes()
         self._runner: TimedRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._restorer: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[None]] = set()  # corruption reports being verified
         self._frozen_at = 0  # table size at the last gc.freeze()
-        self.store: MetadataStore = open_store(m.metadata_url)
-        self.writer = WriteBehind(self.meta, self.store, self.events, m.metadata_flush)
         self.url = ""
 
     def _add_routes(self) -> None:
         r = self.app.router
-        r.add_get("/healthz", self.healthz)
-        r.add_get("/v1/stats", self.stats)
-        r.add_get("/v1/nodes", self.nodes)
-        r.add_get("/v1/keys/{key}", self.get_key)
-        r.add_delete("/v1/keys/{key}", self.delete_key)
-        r.add_get("/metrics", self.prometheus)
-        r.add_get("/openapi.json", self.openapi)
+        AdminRoutes(  # health, stats, nodes, keys, metrics, the OpenAPI document
+            self.meta,
+            self.guard,
+            self.tenants,
+            self.metrics,
+            self.limits,
+            self.writer,
+            self.shard_urls,
+        ).add_routes(r)
         r.add_post("/v1/lookup", self.lookup)
         r.add_post("/v1/allocate", self.allocate)
         r.add_post("/v1/commit", self.commit)
@@ -191,10 +191,6 @@ class ManagerService:
         await self.writer.stop()  # then everything committed is written (writebehind.py)
         log.info("manager stopped")
 
-    @property
-    def flush_failures(self) -> int:
-        return self.writer.failures
-
     async def _sweep(self) -> None:
         m = self.config.manager
         period = min(max(min(m.read_lease, m.write_lease, m.heartbeat_ttl) / 4, 0.05), 1.0)
@@ -251,13 +247,26 @@ class ManagerService:
                     else:
                         await asyncio.sleep(0)
             self._restored.set()
-            log.info("metadata restore finished", seconds=round(time.perf_counter() - started, 3))
+            self._log_restores()
+            log.debug("metadata restore pass done", seconds=round(time.perf_counter() - started, 3))
             self._kick()
 
     def _start_restore(self) -> None:
         if self.meta.snapshots.restoring:
             self._restored.clear()
             self._restore_wanted.set()
+        self._log_restores()
+
+    def _log_restores(self) -> None:
+        """One line per node whose persisted entries are back (docs/OPERATIONS.md)."""
+        now = self.meta.clock()
+        for job in self.meta.snapshots.take_finished():
+            log.info(
+                "metadata restore finished",
+                node=job.node.node_id,
+                entries=len(job.rows),
+                seconds=round(now - job.started, 3),
+            )
 
     # -- tiering hand-offs --------------------------------------------------------------
 
@@ -303,77 +312,6 @@ class ManagerService:
     @staticmethod
     async def _body(request: web.Request) -> dict[str, Any]:
         return control.parse_body(await request.read())
-
-    # -- admin --------------------------------------------------------------------------
-
-    async def healthz(self, request: web.Request) -> web.Response:
-        stats = self.meta.views.stats()
-        return json_response(
-            {
-                "status": "ok",
-                "nodes": stats["nodes"],
-                "keys_memory": stats["keys_memory"],
-                "metadata_store": "retrying" if self.flush_failures else "ok",
-                # write-behind rounds (writebehind.py): wait for a flush, never sleep
-                "metadata_taken_seq": self.writer.taken_seq,
-                "metadata_flushed_seq": self.writer.flushed_seq,
-                "shard": str(self.guard.shard),
-                "key_range": self.guard.shard.describe(),
-                "shard_urls": list(self.shard_urls),
-            }
-        )
-
-    async def stats(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = dict(self.meta.views.stats())
-        if self.tenants.enabled:  # the admin sees every tenant, a tenant itself
-            tenant = request[TENANT]
-            views = self.meta.views.tenant_views()
-            body["tenants"] = (
-                views if tenant is None else {label(tenant): views.get(label(tenant), {})}
-            )
-        return json_response(body)
-
-    async def nodes(self, request: web.Request) -> web.Response:
-        return json_response({"nodes": self.meta.views.node_views()})
-
-    def _path_key(self, request: web.Request) -> str:
-        """The entry's key: a tenant's own namespace; the admin's is ?tenant=NAME (or the
-        default namespace)."""
-        key = request.match_info["key"]
-        if not is_valid_key(key):
-            raise BadRequest(f"a key is 32 lowercase hex characters, got {key!r:.60}")
-        self.guard.check([key])
-        tenant = request[TENANT]
-        if tenant is None:
-            tenant = request.query.get("tenant", "default")
-            if tenant != "default" and tenant not in self.tenants.names():
-                raise BadRequest(f"no tenant {tenant!r:.70}")
-            tenant = "" if tenant == "default" else tenant
-        return ident(tenant, key)
-
-    async def get_key(self, request: web.Request) -> web.Response:
-        view = self.meta.views.describe(self._path_key(request))
-        if view is None:
-            return error_response("no such key", 404)
-        view["key"] = request.match_info["key"]
-        return json_response(view)
-
-    async def delete_key(self, request: web.Request) -> web.Response:
-        if not self.meta.delete(self._path_key(request)):
-            return error_response("no such key", 404)
-        key = request.match_info["key"]
-        log.info("key deleted", key=key, tenant=label(request.query.get("tenant", "")))
-        return json_response({"deleted": key})
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        tenant = request[TENANT]  # the admin (None) sees every tenant's series
-        return web.Response(
-            body=self.metrics.scrape(None if tenant is None else label(tenant)),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
-
-    async def openapi(self, request: web.Request) -> web.Response:
-        return json_response(openapi_spec(self.limits.max_batch, self.limits.max_object_size))
 
     # -- control ------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class Snapshots:
         self.waiting_keys: set[str] = set()
         self.restore_jobs: dict[str, RestoreJob] = {}
         self.restore_slice = 2000  # rows per slice: a few milliseconds between two requests
+        self.finished: list[RestoreJob] = []  # done since `take_finished` (the shell logs them)
 
     def restore(self, nodes: list[NodeRow], entries: list[EntryRow]) -> None:
         """Keep what a previous manager persisted until each node registers again."""
@@ -58,7 +59,7 @@ class Snapshots:
             node_row.incarnation == node.incarnation and node_row.capacity == node.capacity
         )
         node.restoring = True
-        job = RestoreJob(node, same_buffer, rows)
+        job = RestoreJob(node, same_buffer, rows, started=self.tables.clock())
         if same_buffer:  # its memory copies come back once the slab confirms them
             job.checks = [
                 (r.mem_offset, r.size, r.checksum)
@@ -124,7 +125,14 @@ class Snapshots:
             if job.done == len(job.rows):
                 job.node.restoring = False
                 del self.restore_jobs[node_id]
+                self.finished.append(job)
         return bool(self.restore_jobs)
+
+    def take_finished(self) -> list[RestoreJob]:
+        """The node restores that ended since the last call (a small one ends inside the
+        registration that began it)."""
+        done, self.finished = self.finished, []
+        return done
 
     def _restore_row(self, job: RestoreJob, row: EntryRow) -> None:
         node = job.node

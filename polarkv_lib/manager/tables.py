@@ -226,6 +226,16 @@ class Tables:
             self._forget_file(entry, delete=True)
         self._maybe_free(entry)
 
+    def _end_write_lease(self, lease_id: str) -> int:
+        """End a write lease (release, abort, expiry): what it still writes is dropped.
+        How many that was."""
+        lease = self.write_leases.pop(lease_id, None)
+        if lease is None:
+            return 0
+        for entry in lease.entries.values():
+            self._drop(entry)
+        return len(lease.entries)
+
     def _end_offload(self, entry: Entry) -> None:
         node = entry.node
         entry.residency = Residency.MEMORY
