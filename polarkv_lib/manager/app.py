@@ -24,6 +24,7 @@ from aiohttp import web
 
 from polarkv_lib.config import Config
 from polarkv_lib.keys import ident
+from polarkv_lib.logs import Events
 from polarkv_lib.manager.admin_routes import AdminRoutes
 from polarkv_lib.manager.auth import TENANT, Auth, middleware
 from polarkv_lib.manager.browser import BrowserGuard
@@ -196,12 +197,12 @@ class ManagerService:
         period = min(max(min(m.read_lease, m.write_lease, m.heartbeat_ttl) / 4, 0.05), 1.0)
         while True:
             await asyncio.sleep(period)
-            events = self.meta.expire()
-            for node_id in events.dead_nodes:
-                log.warning("node died", node=node_id, reason="heartbeat timeout")
+            expired = self.meta.expire()
+            for node_id in expired.dead_nodes:
+                log.warning(Events.NODE_DIED, node=node_id, reason="heartbeat timeout")
                 self.events.add(Kind.NODE_DIED, node_id, "node died (heartbeat timeout)")
-            if events.expired_writes:
-                log.info("write leases expired", count=events.expired_writes)
+            if expired.expired_writes:
+                log.info("write leases expired", count=expired.expired_writes)
             self._settle_stale_reloads()
             self._signal_freed()
             self._kick()
@@ -262,7 +263,7 @@ class ManagerService:
         now = self.meta.clock()
         for job in self.meta.snapshots.take_finished():
             log.info(
-                "metadata restore finished",
+                Events.RESTORE_FINISHED,
                 node=job.node.node_id,
                 entries=len(job.rows),
                 seconds=round(now - job.started, 3),
@@ -471,7 +472,7 @@ class ManagerService:
                 region, self.signing_key, self.meta.grant_expiry(VERIFY_TIMEOUT)
             )
         if self.meta.corrupt_verified(entry, gen, bad):
-            log.warning("checksum mismatch confirmed; entry dropped", key=key, node=node.node_id)
+            log.warning(Events.CHECKSUM_FAILURE, key=key, node=node.node_id)
             self.events.add(
                 Kind.CHECKSUM_FAILURE,
                 key,

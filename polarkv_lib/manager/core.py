@@ -25,7 +25,7 @@ from polarkv_lib.manager.model import (
     AllocStatus,
     Claim,
     Entry,
-    Events,
+    Expired,
     Lookup,
     Node,
     NodeIdInUse,
@@ -393,10 +393,10 @@ class Metadata(Reads):
 
     # -- time ---------------------------------------------------------------------------
 
-    def expire(self) -> Events:
+    def expire(self) -> Expired:
         """Expire leases, silent nodes, quarantined space and unanswered orders."""
         now = self.clock()
-        events = Events()
+        events = Expired()
         stalled = now - self._last_expire
         self._last_expire = now
         if stalled > self.heartbeat_ttl / 2:

@@ -343,8 +343,8 @@ class Released:
 
 
 @dataclass(slots=True)
-class Events:
-    """What `expire` changed, for the shell to log."""
+class Expired:
+    """What `expire` changed, for the shell to log (not an event: see manager/events.py)."""
 
     dead_nodes: list[str] = field(default_factory=list)
     expired_writes: int = 0

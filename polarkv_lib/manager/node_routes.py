@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from polarkv_lib.keys import split_ident
+from polarkv_lib.logs import Events
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.metrics import ManagerMetrics
@@ -104,7 +105,7 @@ class NodeRoutes:
             self.hooks.start_restore()
             self.events.add(Kind.NODE_JOINED, node.node_id, f"node joined ({node.address})")
             log.info(
-                "node joined",
+                Events.NODE_JOINED,
                 node=node.node_id,
                 address=node.address,
                 incarnation=node.incarnation,
@@ -131,7 +132,7 @@ class NodeRoutes:
         ref = control.parse_node_ref(await _body(request))
         if not self.meta.unregister(ref.node_id, ref.incarnation):
             return error_response("unknown node or incarnation", 404)
-        log.info("node left", node=ref.node_id)
+        log.info(Events.NODE_LEFT, node=ref.node_id)
         self.events.add(Kind.NODE_LEFT, ref.node_id, "node left")
         return json_response({"ok": True})
 
@@ -167,7 +168,9 @@ class NodeRoutes:
                 self.hooks.reload_settled(r.gen)
             if not r.ok:
                 tenant, key = split_ident(r.key)
-                log.warning(f"{r.op} failed", node=ref.node_id, key=r.key, reason=r.reason)
+                log.warning(
+                    Events.TIER_FAILURE, op=r.op, node=ref.node_id, key=r.key, reason=r.reason
+                )
                 self.events.add(  # the entry's tenant's event
                     Kind.TIER_FAILURE,
                     ref.node_id,

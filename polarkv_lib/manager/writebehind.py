@@ -20,6 +20,7 @@ import contextlib
 
 import structlog
 
+from polarkv_lib.logs import Events
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.store import MetadataStore
@@ -82,13 +83,13 @@ class WriteBehind:
                 )
             if self.failures == 1 or self.failures % 50 == 0:
                 log.warning(
-                    "metadata write-behind failed; will retry",
+                    Events.STORE_RETRYING,
                     error=repr(exc),
                     failures=self.failures,
                 )
             return False
         if self.failures:
-            log.info("metadata write-behind caught up", after_failures=self.failures)
+            log.info(Events.STORE_CAUGHT_UP, after_failures=self.failures)
             self.events.add(Kind.STORE_CAUGHT_UP, "metadata", "metadata store caught up")
             self.failures = 0
         self.flushed_seq = seq
