@@ -430,10 +430,11 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key}: {why}")
 
     m, s, c = config.manager, config.slab, config.client
+    need(0 < m.memory_high_watermark <= 1, "manager.memory_high_watermark", "must be in (0, 1]")
     need(
-        0 < m.memory_low_watermark <= m.memory_high_watermark <= 1,
+        0 < m.memory_low_watermark <= m.memory_high_watermark,
         "manager.memory_low_watermark",
-        "need 0 < memory_low_watermark <= memory_high_watermark <= 1",
+        "must be in (0, memory_high_watermark]",
     )
     need(0 < m.disk_high_watermark <= 1, "manager.disk_high_watermark", "must be in (0, 1]")
     need(m.read_lease > 0, "manager.read_lease", "must be > 0")

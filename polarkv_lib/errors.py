@@ -13,8 +13,14 @@
 The client library never lets any of these escape its cache operations: an
 infrastructure fault is a cache miss (DESIGN §7). They exist so the layers below the
 client can say *why* something failed, and so logs and metrics can count it by kind.
-Each boundary that talks to a third-party library (aiohttp, sockets, files) translates
-its errors with `map_exceptions`, so nothing foreign travels further up.
+Each boundary that talks to a third-party library translates its errors into this tree
+where it catches them, so nothing foreign travels further up: the blocking admin client
+(client/admin.py) with `map_exceptions` and one table of urllib's errors; the control
+client (client/control.py, aiohttp) with `except` clauses around its one request
+method, where a retry of a closed pooled connection and the circuit breaker need the
+exception in hand; the transports (transport/, sockets and mmap) and the disk store
+(node/disk.py, files) at each system call, where the message names the peer, the
+deadline or the file. `map_exceptions` is for a boundary whose translation is a table.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ and server logs, asyncio's "Task exception was never retrieved", warnings) are r
 through structlog's formatter too, so with `--log-format json` every line parses.
 
 Event names are constants (`Events`), not f-strings: a log search or an alert matches
-one fixed string, and the details travel as fields. `RateLimiter` turns a flood of one
+one fixed string, and the details travel as fields. `Events` is the one vocabulary of
+events: every process's log lines are named here, and the operator's feed of recent
+events (manager/events.py `Kind`, `GET /v1/events`) records a chosen few of the
+manager's under the same names (`LOG_EVENTS` there maps each kind to its line). `RateLimiter` turns a flood of one
 repeated error (an accept loop past the fd limit, a manager that is down) into one line
 per interval with a count.
 """
@@ -22,7 +25,7 @@ import structlog
 
 
 class Events:
-    """Event names of the node, the runner and the data plane."""
+    """Event names of the log lines of every role, the runner and the data plane."""
 
     READY = "polarkv ready"
     SHUTTING_DOWN = "shutting down"
@@ -48,6 +51,16 @@ class Events:
     CONNECTION_REFUSED = "data connection refused"
     CONNECTION_CLOSED = "data connection closed"
     REPEATED = "repeated"
+    # the manager's; those of the operator's feed first (manager/events.py LOG_EVENTS)
+    NODE_JOINED = "node joined"
+    NODE_LEFT = "node left"
+    NODE_DIED = "node died"
+    NODE_DRAINING = "node draining"
+    CHECKSUM_FAILURE = "checksum mismatch confirmed; entry dropped"
+    TIER_FAILURE = "tier order failed on the node"
+    STORE_RETRYING = "metadata write-behind failed; will retry"
+    STORE_CAUGHT_UP = "metadata write-behind caught up"
+    RESTORE_FINISHED = "metadata restore finished"
 
 
 _LEVELS = {

@@ -102,12 +102,12 @@ def admin() -> None:
 # -- stats --------------------------------------------------------------------------------
 
 
-def collect_stats(shards: Shards) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any] | str]]]:
-    """(summed stats, per-shard answers or error texts)."""
-    answers = shards.each("stats")
-    per_shard: list[tuple[str, dict[str, Any] | str]] = [
-        (s.url, str(a) if isinstance(a, AdminError) else a) for s, a in answers
-    ]
+PerShard = list[tuple[str, dict[str, Any] | AdminError]]
+
+
+def collect_stats(shards: Shards) -> tuple[dict[str, Any], PerShard]:
+    """(summed stats, per-shard answers or errors)."""
+    per_shard: PerShard = [(s.url, a) for s, a in shards.each("stats")]
     good = [a for _, a in per_shard if isinstance(a, dict)]
     merged = None
     if len(shards.shards) > 1:  # count nodes once by id, not once per shard
@@ -116,13 +116,13 @@ def collect_stats(shards: Shards) -> tuple[dict[str, Any], list[tuple[str, dict[
     return views.sum_stats(good, merged), per_shard
 
 
-def _stats_json(
-    total: dict[str, Any], per_shard: list[tuple[str, dict[str, Any] | str]]
-) -> dict[str, Any]:
+def _stats_json(total: dict[str, Any], per_shard: PerShard) -> dict[str, Any]:
     return {
         **total,
         "shards": [
-            {"url": u, "stats": a} if isinstance(a, dict) else {"url": u, "error": a}
+            {"url": u, "stats": a}
+            if isinstance(a, dict)
+            else {"url": u, "error": str(a), "status": a.status}
             for u, a in per_shard
         ],
     }
@@ -141,7 +141,7 @@ def stats(
     previous: tuple[float, dict[str, Any]] | None = None
     for _ in _refreshes(watch, interval, count):
         total, per_shard = collect_stats(shards)
-        errors = [a for _, a in per_shard if isinstance(a, str)]
+        errors = [str(a) for _, a in per_shard if isinstance(a, AdminError)]
         if as_json:
             click.echo(
                 orjson.dumps(_stats_json(total, per_shard)).decode()
@@ -159,9 +159,7 @@ def stats(
             _show(text, watch, ", ".join(s.url for s in shards.shards))
         if errors and not watch:
             fail(
-                errors[0]
-                if len(errors) == 1
-                else f"{len(errors)} shards did not answer: {errors[0]}",
+                errors[0] if len(errors) == 1 else f"{len(errors)} shards failed: {errors[0]}",
                 EXIT_RUNTIME,
             )
 
@@ -207,7 +205,8 @@ def nodes(
     shards = _shards(ctx, url)
     for _ in _refreshes(watch, interval, count):
         answers = shards.each("nodes")
-        errors = [str(a) for _, a in answers if isinstance(a, AdminError)]
+        failed = [a for _, a in answers if isinstance(a, AdminError)]
+        errors = [str(a) for a in failed]
         merged = views.merge_nodes([a for _, a in answers if not isinstance(a, AdminError)])
         if as_json:
             doc = {
@@ -227,7 +226,9 @@ def nodes(
         else:
             text = views.nodes_table(merged)
             if errors:
-                text += "\n" + "\n".join(f"unreachable: {e}" for e in errors)
+                text += "\n" + "\n".join(
+                    f"{f'refused ({a.status})' if a.status else 'unreachable'}: {a}" for a in failed
+                )
             _show(text, watch, ", ".join(s.url for s in shards.shards))
         if errors and not watch:
             sys.exit(EXIT_RUNTIME)

@@ -11,6 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from polarkv_lib.cli.api import AdminError
+
 # Stats fields that are not additive counts (derived here, or node counts from /v1/nodes).
 NOT_SUMMED = frozenset({"nodes", "nodes_dead", "hit_rate"})
 
@@ -155,20 +157,24 @@ def stats_row(label: str, s: dict[str, Any]) -> list[str]:
     ]
 
 
-def stats_table(shards: Sequence[tuple[str, dict[str, Any] | str]], total: dict[str, Any]) -> str:
-    """One row per shard, then the total; a shard that did not answer says so below."""
+def stats_table(
+    shards: Sequence[tuple[str, dict[str, Any] | AdminError]], total: dict[str, Any]
+) -> str:
+    """One row per shard, then the total; a shard that did not answer, or refused (an
+    HTTP status: a wrong token is not a network fault), says so below."""
     rows: list[list[str]] = []
-    down: list[str] = []
+    failed: list[str] = []
     for url, answer in shards:
         label = url.removeprefix("http://")
-        if isinstance(answer, str):
-            rows.append([label, "unreachable"] + ["-"] * (len(STATS_HEADERS) - 2))
-            down.append(answer)
+        if isinstance(answer, AdminError):
+            what = f"refused ({answer.status})" if answer.status else "unreachable"
+            rows.append([label, what] + ["-"] * (len(STATS_HEADERS) - 2))
+            failed.append(f"{what}: {answer}")
         else:
             rows.append(stats_row(label, answer))
     if len(shards) > 1:
         rows.append(stats_row("total", total))
-    return "\n".join([table(STATS_HEADERS, rows)] + [f"unreachable: {d}" for d in down])
+    return "\n".join([table(STATS_HEADERS, rows), *failed])
 
 
 RATE_FIELDS = (

@@ -8,6 +8,7 @@ by the same mapping as the asynchronous ControlClient (`reply_error`).
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -98,6 +99,17 @@ class AdminClient:
 
     def healthz(self) -> dict[str, Any]:
         return dict(self.call("GET", "/healthz"))
+
+    def wait_flushed(self, timeout: float = 10.0, poll: float = 0.02) -> None:
+        """Return once everything committed before the call is in the metadata store: a
+        write-behind round that began after it has been written (docs/API.md, /healthz).
+        OperationTimeout if none is within `timeout` (the store keeps failing)."""
+        taken = int(self.healthz()["metadata_taken_seq"])
+        deadline = time.monotonic() + timeout
+        while int(self.healthz()["metadata_flushed_seq"]) <= taken:
+            if time.monotonic() > deadline:
+                raise OperationTimeout(f"{self.base}: no metadata flush within {timeout:g}s")
+            time.sleep(poll)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.call("GET", "/v1/stats"))

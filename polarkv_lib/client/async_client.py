@@ -20,20 +20,16 @@ import logging
 import time
 import warnings
 from collections.abc import Awaitable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import xxhash
-
-from polarkv_lib.client.breaker import CircuitBreaker
 from polarkv_lib.client.sharded import control_for
+from polarkv_lib.client.transfers import BufferLike, ClientStats, Transfers
 from polarkv_lib.config import ClientConfig, Config
-from polarkv_lib.errors import NetworkError, OperationTimeout, PolarKVError
+from polarkv_lib.errors import OperationTimeout, PolarKVError
 from polarkv_lib.keys import check_key, chunk_keys
 from polarkv_lib.shards import ShardOrderError, split_urls
-from polarkv_lib.transport import PREFERENCES, open_transports, pick
-from polarkv_lib.transport.base import NodeTarget, Region, Transport
+from polarkv_lib.transport import PREFERENCES
+from polarkv_lib.transport.base import NodeTarget, Region
 from polarkv_lib.wire.control import MAX_WAIT
 
 # stdlib logging, not structlog: the client lives inside engines, which own log config.
@@ -43,26 +39,11 @@ T = TypeVar("T")
 TRANSPORTS = PREFERENCES  # auto, tcp, shm, rdma
 TIERED_TTL = 30.0  # seconds a "has a disk tier" answer is reused
 MIN_STREAM_WAIT = 0.01  # seconds: a stream waiting for room less than this gives up
-BufferLike = bytes | bytearray | memoryview
 
 
 class CallerError(ValueError):
     """A caller mistake found only after the manager answered (e.g. an `out` buffer
     smaller than the stored chunk): raised, not turned into a miss."""
-
-
-def checksum(data: BufferLike) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-@dataclass
-class ClientStats:
-    """What the client turned into misses, by kind: the engine never sees these raised."""
-
-    faults: int = 0
-    timeouts: int = 0
-    checksum_failures: int = 0
-    transfer_failures: int = 0
 
 
 def _as_view(data: object, what: str) -> memoryview:
@@ -132,17 +113,13 @@ class AsyncPolarKVClient:
             raise ValueError("connections and window must be >= 1")
         # First: an explicit rdma without a usable device raises here (RdmaUnavailable,
         # naming the reason) before anything else is opened; auto falls back to tcp.
-        self._transports = open_transports(transport, connections)
+        self.stats = ClientStats()
+        self._transfers = Transfers(transport, connections, breaker_interval, self.stats)
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
         self.timeout = float(timeout)
         self.window = window
-        self._connections = connections
-        self.stats = ClientStats()
         self._control = control_for(manager_url, token, breaker_interval)
-        self._breaker_interval = breaker_interval
-        self._slab_breakers: dict[str, CircuitBreaker] = {}
-        self._pool = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="polarkv-xfer")
         self._pending: set[asyncio.Task[Any]] = set()
         self._tiered_at = -TIERED_TTL - 1.0
         self._tiered_value = False
@@ -173,10 +150,7 @@ class AsyncPolarKVClient:
         for task in self._pending:
             task.cancel()
         await self._control.close()
-        # Transfers end by their deadlines; waiting for the threads must not hold the loop.
-        await asyncio.to_thread(self._pool.shutdown, True)
-        for transport in self._transports:
-            transport.close()
+        await self._transfers.close()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
@@ -310,63 +284,6 @@ class AsyncPolarKVClient:
             self.stats.timeouts += 1
         log.debug("operation cut short: %s", str(exc) or type(exc).__name__)
 
-    def _transport_for(self, node: NodeTarget) -> Transport | None:
-        return pick(self._transports, node)
-
-    async def _transfer(
-        self, write: bool, moves: Sequence[tuple[Region, memoryview]], deadline: float
-    ) -> list[str | None]:
-        """Move a window's regions; return each one's checksum, or None where it failed.
-
-        At most `connections` pool tasks each move every n-th region in turn, rather than
-        one task per region: a dispatch to the pool costs tens of microseconds, a tenth of
-        a 1 MiB shm copy. Each chunk is hashed in the same task right after its copy, while
-        its bytes are still in cache, and on all pool threads at once."""
-
-        def move(part: range) -> list[str | None]:
-            sums: list[str | None] = []
-            for i in part:
-                region, view = moves[i]
-                sums.append(self._move_one(write, region, view, deadline, failures))
-            return sums
-
-        failures: list[int] = []  # one entry per failed transfer; list.append is thread-safe
-        n = min(self._connections, len(moves))
-        loop = asyncio.get_running_loop()
-        done = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, move, range(k, len(moves), n)) for k in range(n))
-        )
-        self.stats.transfer_failures += len(failures)
-        return [done[i % n][i // n] for i in range(len(moves))]
-
-    def _move_one(
-        self, write: bool, region: Region, view: memoryview, deadline: float, failures: list[int]
-    ) -> str | None:
-        """One transfer and its checksum, in a pool thread."""
-        transport = self._transport_for(region.node)
-        if transport is None:
-            return None
-        address = region.node.address
-        breaker = self._slab_breakers.get(address)
-        if breaker is None:
-            breaker = self._slab_breakers.setdefault(
-                address, CircuitBreaker(f"slab {address}", self._breaker_interval)
-            )
-        try:
-            breaker.check()
-            (transport.write_from if write else transport.read_into)(region, view, deadline)
-            breaker.success()
-            return checksum(view)
-        except (NetworkError, OperationTimeout) as exc:
-            breaker.failure()  # unreachable: the next transfers to it fail fast for a while
-            failures.append(1)
-            log.debug("transfer with %s failed: %s", region.node.node_id, exc)
-            return None
-        except PolarKVError as exc:
-            failures.append(1)
-            log.debug("transfer with %s failed: %s", region.node.node_id, exc)
-            return None
-
     def _background(self, call: Awaitable[None], what: str) -> None:
         """Fire a release/abort without making the caller wait; tracked, awaited on close."""
 
@@ -485,7 +402,7 @@ class AsyncPolarKVClient:
         """Write the allocated regions, commit what arrived whole; which committed."""
         if not writes or lease is None:
             return []
-        sums = await self._transfer(True, [(r, views[i]) for i, r in writes], deadline)
+        sums = await self._transfers.move(True, [(r, views[i]) for i, r in writes], deadline)
         ok = [(i, s) for (i, _), s in zip(writes, sums, strict=True) if s is not None]
         failed = [keys[i] for (i, _), s in zip(writes, sums, strict=True) if s is None]
         if failed:
@@ -560,7 +477,7 @@ class AsyncPolarKVClient:
                         f"out[{start + j}] holds {len(target)} bytes, the chunk has {size}"
                     )
                 buffers.append(target[:size])
-        sums = await self._transfer(
+        sums = await self._transfers.move(
             False, [(_region(e, nodes), b) for e, b in zip(entries, buffers, strict=True)], deadline
         )
         n = next((j for j, s in enumerate(sums) if s is None), len(sums))

@@ -14,13 +14,8 @@ import warnings
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from polarkv_lib.client.async_client import (
-    DEFAULTS,
-    AsyncPolarKVClient,
-    BufferLike,
-    ClientStats,
-    client_kwargs,
-)
+from polarkv_lib.client.async_client import DEFAULTS, AsyncPolarKVClient, client_kwargs
+from polarkv_lib.client.transfers import BufferLike, ClientStats
 from polarkv_lib.config import ClientConfig, Config
 
 T = TypeVar("T")

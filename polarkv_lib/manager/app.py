@@ -21,20 +21,19 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from polarkv_lib.config import Config
-from polarkv_lib.errors import BadRequest
-from polarkv_lib.keys import ident, is_valid_key
+from polarkv_lib.keys import ident
+from polarkv_lib.logs import Events
+from polarkv_lib.manager.admin_routes import AdminRoutes
 from polarkv_lib.manager.auth import TENANT, Auth, middleware
 from polarkv_lib.manager.browser import BrowserGuard
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.metrics import ManagerMetrics
 from polarkv_lib.manager.model import AllocStatus, Entry, Node, Step, Wait
-from polarkv_lib.manager.node_routes import NodeRoutes
-from polarkv_lib.manager.openapi import openapi_spec
-from polarkv_lib.manager.responses import error_response, json_response
+from polarkv_lib.manager.node_routes import GrantIdentity, NodeHooks, NodeRoutes
+from polarkv_lib.manager.responses import json_response
 from polarkv_lib.manager.server import TimedRunner, Timeouts
 from polarkv_lib.manager.shard import ShardGuard
 from polarkv_lib.manager.store import MetadataStore, open_store
@@ -44,14 +43,14 @@ from polarkv_lib.manager.verify import Region, bytes_are_bad
 from polarkv_lib.manager.writebehind import WriteBehind
 from polarkv_lib.progress import progress
 from polarkv_lib.shards import Shard, split_urls
-from polarkv_lib.tenancy import DEFAULT, label
+from polarkv_lib.tenancy import DEFAULT
 from polarkv_lib.wire import control
 from polarkv_lib.wire.grants import Grant, Op, epoch_key, sign
 
 log = structlog.get_logger("polarkv.manager")
 
 
-class ManagerService(NodeRoutes):
+class ManagerService:
     def __init__(self, config: Config) -> None:
         m = config.manager
         self.config = config
@@ -67,7 +66,10 @@ class ManagerService(NodeRoutes):
             tenants=config.security.tenancy,
         )
         self.metrics = ManagerMetrics(
-            self.meta.stats, self.meta.tier_failures, self.meta.node_views, self.meta.tenant_views
+            self.meta.views.stats,
+            self.meta.views.tier_failures,
+            self.meta.views.node_views,
+            self.meta.views.tenant_views,
         )
         self.limits = control.Limits(m.max_batch, m.max_object_size)
         self.guard = ShardGuard(Shard.parse(m.shard))  # every request's keys pass it
@@ -89,40 +91,51 @@ class ManagerService(NodeRoutes):
             middlewares=[middleware(auth, self.browser, self.metrics)],
         )
         self.events = EventRing()  # recent events for the status page (manager/events.py)
-        self._add_routes()
-        # Tiering hand-offs: each node's disk role long-polls for orders; lookups wait on
-        # reloads; writes wait for room that offloads are making.
-        self._order_events: dict[str, asyncio.Event] = {}
+        # Tiering hand-offs: each node's disk role long-polls for orders (node_routes.py);
+        # lookups wait on reloads; writes wait for room that offloads are making.
         self._reloads: dict[int, asyncio.Future[None]] = {}  # entry gen -> reload settled
         self._freed = asyncio.Event()
         self._restore_wanted = asyncio.Event()
         self._restored = asyncio.Event()  # set while no restore is running
         self._restored.set()
+        self.node_routes = NodeRoutes(  # register, heartbeat, orders, done, adopt, confirm
+            self.meta,
+            self.guard,
+            self.events,
+            self.metrics,
+            self.limits,
+            GrantIdentity(self.grant_key, self.incarnation, self._grant_key_shared),
+            NodeHooks(self._kick, self._signal_freed, self._settle_reload, self._start_restore),
+            self._restored,
+        )
+        self.store: MetadataStore = open_store(m.metadata_url)
+        self.writer = WriteBehind(self.meta, self.store, self.events, m.metadata_flush)
+        self._add_routes()
         self._runner: TimedRunner | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._restorer: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[None]] = set()  # corruption reports being verified
         self._frozen_at = 0  # table size at the last gc.freeze()
-        self.store: MetadataStore = open_store(m.metadata_url)
-        self.writer = WriteBehind(self.meta, self.store, self.events, m.metadata_flush)
         self.url = ""
 
     def _add_routes(self) -> None:
         r = self.app.router
-        r.add_get("/healthz", self.healthz)
-        r.add_get("/v1/stats", self.stats)
-        r.add_get("/v1/nodes", self.nodes)
-        r.add_get("/v1/keys/{key}", self.get_key)
-        r.add_delete("/v1/keys/{key}", self.delete_key)
-        r.add_get("/metrics", self.prometheus)
-        r.add_get("/openapi.json", self.openapi)
+        AdminRoutes(  # health, stats, nodes, keys, metrics, the OpenAPI document
+            self.meta,
+            self.guard,
+            self.tenants,
+            self.metrics,
+            self.limits,
+            self.writer,
+            self.shard_urls,
+        ).add_routes(r)
         r.add_post("/v1/lookup", self.lookup)
         r.add_post("/v1/allocate", self.allocate)
         r.add_post("/v1/commit", self.commit)
         r.add_post("/v1/abort", self.abort)
         r.add_post("/v1/release", self.release)
         r.add_post("/v1/renew", self.renew)
-        self._add_node_routes(r)  # manager/node_routes.py
+        self.node_routes.add_routes(r)  # manager/node_routes.py
         OperatorRoutes(  # page, events, drain
             self.events, self.meta, self._kick, self.browser, lambda request: request[TENANT]
         ).add_routes(self.app)
@@ -140,7 +153,7 @@ class ManagerService(NodeRoutes):
             nodes, entries = await self.store.load()
             if self.guard.shard.count > 1:
                 entries = [e for e in entries if self.guard.shard.owns(e.key)]  # this shard's range
-            self.meta.restore(nodes, entries)
+            self.meta.snapshots.restore(nodes, entries)
         finally:
             gc.enable()
         gc.freeze()
@@ -179,21 +192,17 @@ class ManagerService(NodeRoutes):
         await self.writer.stop()  # then everything committed is written (writebehind.py)
         log.info("manager stopped")
 
-    @property
-    def flush_failures(self) -> int:
-        return self.writer.failures
-
     async def _sweep(self) -> None:
         m = self.config.manager
         period = min(max(min(m.read_lease, m.write_lease, m.heartbeat_ttl) / 4, 0.05), 1.0)
         while True:
             await asyncio.sleep(period)
-            events = self.meta.expire()
-            for node_id in events.dead_nodes:
-                log.warning("node died", node=node_id, reason="heartbeat timeout")
+            expired = self.meta.expire()
+            for node_id in expired.dead_nodes:
+                log.warning(Events.NODE_DIED, node=node_id, reason="heartbeat timeout")
                 self.events.add(Kind.NODE_DIED, node_id, "node died (heartbeat timeout)")
-            if events.expired_writes:
-                log.info("write leases expired", count=events.expired_writes)
+            if expired.expired_writes:
+                log.info("write leases expired", count=expired.expired_writes)
             self._settle_stale_reloads()
             self._signal_freed()
             self._kick()
@@ -219,18 +228,18 @@ class ManagerService(NodeRoutes):
             self._restore_wanted.clear()
             started = time.perf_counter()
             with progress(
-                self.meta.restore_left, "metadata restore", "entries", log_lines=True
+                self.meta.snapshots.restore_left, "metadata restore", "entries", log_lines=True
             ) as bar:
-                while self.meta.restoring:
-                    left = self.meta.restore_left
-                    self.meta.restore_step()
-                    bar.update(max(left - self.meta.restore_left, 0))
+                while self.meta.snapshots.restoring:
+                    left = self.meta.snapshots.restore_left
+                    self.meta.snapshots.restore_step()
+                    bar.update(max(left - self.meta.snapshots.restore_left, 0))
                     # Restored entries live long: out of the cyclic collector's reach, or
                     # its full passes over a million of them stall the loop for most of a
                     # second (worst slice at 1M entries: 0.6 s without, 0.16 s with). The
                     # same geometric rule as in steady state: a few freezes, not one per slice.
                     self._freeze_grown_tables()
-                    if self.meta.restore_left == left:
+                    if self.meta.snapshots.restore_left == left:
                         # nothing could be restored: slabs are still confirming their memory
                         # (node_routes.confirm sets the event when one is done)
                         with contextlib.suppress(TimeoutError):
@@ -239,26 +248,33 @@ class ManagerService(NodeRoutes):
                     else:
                         await asyncio.sleep(0)
             self._restored.set()
-            log.info("metadata restore finished", seconds=round(time.perf_counter() - started, 3))
+            self._log_restores()
+            log.debug("metadata restore pass done", seconds=round(time.perf_counter() - started, 3))
             self._kick()
 
     def _start_restore(self) -> None:
-        if self.meta.restoring:
+        if self.meta.snapshots.restoring:
             self._restored.clear()
             self._restore_wanted.set()
+        self._log_restores()
+
+    def _log_restores(self) -> None:
+        """One line per node whose persisted entries are back (docs/OPERATIONS.md)."""
+        now = self.meta.clock()
+        for job in self.meta.snapshots.take_finished():
+            log.info(
+                Events.RESTORE_FINISHED,
+                node=job.node.node_id,
+                entries=len(job.rows),
+                seconds=round(now - job.started, 3),
+            )
 
     # -- tiering hand-offs --------------------------------------------------------------
-
-    def _wake_disk_roles(self) -> None:
-        for node_id in self.meta.nodes_with_orders():
-            event = self._order_events.get(node_id)
-            if event is not None:
-                event.set()
 
     def _kick(self) -> None:
         """Plan tiering and wake the disk roles that have orders now."""
         self.meta.plan_tiering()
-        self._wake_disk_roles()
+        self.node_routes.wake(self.meta.nodes_with_orders())
 
     async def _await(self, step: Step) -> None:
         """Wait for what the core's step names, at most until its deadline. The disk
@@ -294,76 +310,9 @@ class ManagerService(NodeRoutes):
         for gen in [g for g in self._reloads if g not in live]:
             self._settle_reload(gen)
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
         return control.parse_body(await request.read())
-
-    # -- admin --------------------------------------------------------------------------
-
-    async def healthz(self, request: web.Request) -> web.Response:
-        stats = self.meta.stats()
-        return json_response(
-            {
-                "status": "ok",
-                "nodes": stats["nodes"],
-                "keys_memory": stats["keys_memory"],
-                "metadata_store": "retrying" if self.flush_failures else "ok",
-                "shard": str(self.guard.shard),
-                "key_range": self.guard.shard.describe(),
-                "shard_urls": list(self.shard_urls),
-            }
-        )
-
-    async def stats(self, request: web.Request) -> web.Response:
-        body: dict[str, Any] = dict(self.meta.stats())
-        if self.tenants.enabled:  # the admin sees every tenant, a tenant itself
-            tenant = request[TENANT]
-            views = self.meta.tenant_views()
-            body["tenants"] = (
-                views if tenant is None else {label(tenant): views.get(label(tenant), {})}
-            )
-        return json_response(body)
-
-    async def nodes(self, request: web.Request) -> web.Response:
-        return json_response({"nodes": self.meta.node_views()})
-
-    def _path_key(self, request: web.Request) -> str:
-        """The entry's key: a tenant's own namespace; the admin's is ?tenant=NAME (or the
-        default namespace)."""
-        key = request.match_info["key"]
-        if not is_valid_key(key):
-            raise BadRequest(f"a key is 32 lowercase hex characters, got {key!r:.60}")
-        self.guard.check([key])
-        tenant = request[TENANT]
-        if tenant is None:
-            tenant = request.query.get("tenant", "default")
-            if tenant != "default" and tenant not in self.tenants.names():
-                raise BadRequest(f"no tenant {tenant!r:.70}")
-            tenant = "" if tenant == "default" else tenant
-        return ident(tenant, key)
-
-    async def get_key(self, request: web.Request) -> web.Response:
-        view = self.meta.describe(self._path_key(request))
-        if view is None:
-            return error_response("no such key", 404)
-        view["key"] = request.match_info["key"]
-        return json_response(view)
-
-    async def delete_key(self, request: web.Request) -> web.Response:
-        if not self.meta.delete(self._path_key(request)):
-            return error_response("no such key", 404)
-        key = request.match_info["key"]
-        log.info("key deleted", key=key, tenant=label(request.query.get("tenant", "")))
-        return json_response({"deleted": key})
-
-    async def prometheus(self, request: web.Request) -> web.Response:
-        tenant = request[TENANT]  # the admin (None) sees every tenant's series
-        return web.Response(
-            body=self.metrics.scrape(None if tenant is None else label(tenant)),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
-
-    async def openapi(self, request: web.Request) -> web.Response:
-        return json_response(openapi_spec(self.limits.max_batch, self.limits.max_object_size))
 
     # -- control ------------------------------------------------------------------------
 
@@ -523,7 +472,7 @@ class ManagerService(NodeRoutes):
                 region, self.signing_key, self.meta.grant_expiry(VERIFY_TIMEOUT)
             )
         if self.meta.corrupt_verified(entry, gen, bad):
-            log.warning("checksum mismatch confirmed; entry dropped", key=key, node=node.node_id)
+            log.warning(Events.CHECKSUM_FAILURE, key=key, node=node.node_id)
             self.events.add(
                 Kind.CHECKSUM_FAILURE,
                 key,

@@ -2,7 +2,9 @@
 joining, leaving, dying or draining, checksum failures reported by clients, failed
 offloads and reloads, the metadata store falling behind and catching up.
 
-The logs hold the same events for good; this ring only serves `GET /v1/events` (the
+The logs hold the same events for good, under the same names: each `Kind` is one of
+the log events of `polarkv_lib.logs.Events` (`LOG_EVENTS`), so an operator who saw one
+on the page finds its line in the logs. This ring only serves `GET /v1/events` (the
 status page and `polarkv admin`), so it keeps the last `capacity` and forgets the rest.
 Every event gets a sequence number: a poller asks for those after the last one it saw.
 `id` stays the event's first sequence number when repeats fold into it.
@@ -25,6 +27,8 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
+from polarkv_lib.logs import Events
+
 CAPACITY = 256
 COALESCE_S = 5.0
 FOLD_WINDOW = 8  # how many of the latest events a repeat may fold into
@@ -40,6 +44,18 @@ class Kind(StrEnum):
     STORE_RETRYING = "metadata_store_retrying"
     STORE_CAUGHT_UP = "metadata_store_caught_up"
 
+
+# The log line of each kind: one vocabulary (polarkv_lib/logs.py).
+LOG_EVENTS = {
+    Kind.NODE_JOINED: Events.NODE_JOINED,
+    Kind.NODE_LEFT: Events.NODE_LEFT,
+    Kind.NODE_DIED: Events.NODE_DIED,
+    Kind.NODE_DRAINING: Events.NODE_DRAINING,
+    Kind.CHECKSUM_FAILURE: Events.CHECKSUM_FAILURE,
+    Kind.TIER_FAILURE: Events.TIER_FAILURE,
+    Kind.STORE_RETRYING: Events.STORE_RETRYING,
+    Kind.STORE_CAUGHT_UP: Events.STORE_CAUGHT_UP,
+}
 
 # What a person should make of each kind (the page colours by it).
 LEVELS = {

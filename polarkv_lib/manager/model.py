@@ -343,8 +343,8 @@ class Released:
 
 
 @dataclass(slots=True)
-class Events:
-    """What `expire` changed, for the shell to log."""
+class Expired:
+    """What `expire` changed, for the shell to log (not an event: see manager/events.py)."""
 
     dead_nodes: list[str] = field(default_factory=list)
     expired_writes: int = 0
@@ -368,6 +368,7 @@ class RestoreJob:
     held: set[tuple[int, str]] = field(default_factory=set)  # (offset, checksum) confirmed
     confirming: bool = False  # waiting for the slab's answers: the rows wait too
     confirm_until: float = 0.0  # past this, what was not confirmed is not trusted
+    started: float = 0.0  # monotonic: when the node registered (for the log line)
 
 
 def new_id() -> str:

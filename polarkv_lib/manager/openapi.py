@@ -11,123 +11,39 @@ from typing import Any
 from polarkv_lib import __version__
 from polarkv_lib.manager.browser import CORS_PATHS
 from polarkv_lib.manager.events import CAPACITY as EVENTS_CAPACITY
-from polarkv_lib.manager.events import Kind
 from polarkv_lib.manager.model import TenantStats
+from polarkv_lib.manager.schemas import (
+    BOOL,
+    CHECKSUM,
+    ERROR,
+    EVENT,
+    IDENT,
+    INCARNATION,
+    INT,
+    KEY,
+    KEY_PARAM,
+    LEASE,
+    NODE_ID,
+    NODE_REF,
+    NODE_VIEW,
+    NONNEGATIVE,
+    NULLABLE_LEASE,
+    NUM,
+    OFFSET,
+    ORDER,
+    POSITIVE,
+    REGION,
+    STR,
+    TIER_OP,
+    WAIT,
+    arr,
+    json_content,
+    obj,
+    operation,
+    preflight,
+)
 from polarkv_lib.manager.views import STATS_KEYS
 from polarkv_lib.wire.control import CONFIRM_BATCH
-from polarkv_lib.wire.orders import TierOp
-
-KEY = {"type": "string", "pattern": "^[0-9a-f]{32}$"}
-# an entry's identity (keys.ident): its key, and `.tenant` for a tenant's entry
-IDENT = {"type": "string", "pattern": "^[0-9a-f]{32}([.][A-Za-z0-9][A-Za-z0-9._-]{0,63})?$"}
-BOOL = {"type": "boolean"}
-OFFSET = {"type": "integer", "minimum": 0, "maximum": 2**62 - 1}
-LEASE = {"type": "string", "pattern": "^[0-9a-f]{16,64}$"}
-CHECKSUM = {"type": "string", "pattern": "^[0-9a-f]{16}$"}
-INT = {"type": "integer"}
-STR = {"type": "string"}
-NUM = {"type": "number"}
-
-
-def obj(
-    required: dict[str, Any], optional: dict[str, Any] | None = None, additional: bool = False
-) -> dict[str, Any]:
-    props = {**required, **(optional or {})}
-    return {
-        "type": "object",
-        "required": list(required),
-        "properties": props,
-        "additionalProperties": additional,
-    }
-
-
-def arr(items: dict[str, Any], min_items: int = 0) -> dict[str, Any]:
-    return {"type": "array", "items": items, "minItems": min_items}
-
-
-NULLABLE_LEASE = {"oneOf": [LEASE, {"type": "null"}]}
-ERROR = obj({"error": STR})
-NODE_ID = {"type": "string", "pattern": "^[A-Za-z0-9._:\\-\\[\\]]{1,128}$"}
-INCARNATION = {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
-POSITIVE = {"type": "integer", "minimum": 1, "maximum": 2**62}  # JSON numbers stay within 64 bits
-NONNEGATIVE = {"type": "integer", "minimum": 0, "maximum": 2**62}
-NODE_REF = obj({"node_id": NODE_ID, "incarnation": INCARNATION})
-NODE_VIEW = obj(
-    {"address": STR, "shm_path": STR, "host_id": STR, "transports": arr(STR), "incarnation": INT}
-)
-REGION = {
-    "key": KEY,
-    "node": STR,
-    "offset": INT,
-    "size": INT,
-    "checksum": STR,
-    "grant": {"type": "string", "pattern": "^[0-9a-f]+$"},
-}
-
-WAIT = {"type": "number", "minimum": 0, "maximum": 10}
-TIER_OP = {"enum": [op.value for op in TierOp]}
-# wire.orders.Order.to_json
-ORDER = obj(
-    {
-        "op": TIER_OP,
-        "key": KEY,
-        "gen": INT,
-        "node": STR,
-        "offset": INT,
-        "size": INT,
-        "extent": INT,
-        "checksum": STR,
-    }
-)
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _op(
-    summary: str,
-    ok: dict[str, Any],
-    body: dict[str, Any] | None = None,
-    errors: tuple[int, ...] = (400, 401, 413),
-    extra: dict[int, str] | None = None,
-) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {"200": _json(ok, "OK")}}
-    if body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-    for code in errors:
-        op["responses"][str(code)] = _json(ERROR, "error with a reason")
-    for code, why in (extra or {}).items():
-        op["responses"][str(code)] = _json(ERROR, why)
-    return op
-
-
-KEY_PARAM = [{"name": "key", "in": "path", "required": True, "schema": KEY}]
-EVENT = obj(
-    {
-        "seq": INT,
-        "id": INT,
-        "time": NUM,
-        "kind": {"enum": [k.value for k in Kind]},
-        "level": {"enum": ["info", "warning", "error"]},
-        "subject": STR,
-        "message": STR,
-        "count": INT,
-    },
-    additional=True,
-)
-
-
-def _preflight() -> dict[str, Any]:
-    return {
-        "summary": "CORS preflight (the status page of one shard reads every shard)",
-        "responses": {
-            "204": {
-                "description": "answered; allowed (GET with an Authorization header) only "
-                "for the origins of manager.shard_urls"
-            }
-        },
-    }
 
 
 def _operator_paths() -> dict[str, Any]:
@@ -139,7 +55,7 @@ def _operator_paths() -> dict[str, Any]:
             "security": [],
             "responses": {
                 "200": {"description": what, "content": {ctype: {"schema": STR}}},
-                "404": _json(ERROR, "no such file"),
+                "404": json_content(ERROR, "no such file"),
             },
         }
 
@@ -153,7 +69,7 @@ def _operator_paths() -> dict[str, Any]:
         # the query parameters belong to GET only: the path's CORS preflight takes none
         "/v1/events": {
             "get": {
-                **_op(
+                **operation(
                     "recent events after `since`, oldest first",
                     obj({"events": arr(EVENT), "last_seq": INT}),
                     errors=(400, 401),
@@ -170,7 +86,7 @@ def _operator_paths() -> dict[str, Any]:
         },
         "/v1/nodes/{node_id}/drain": {
             "parameters": [{"name": "node_id", "in": "path", "required": True, "schema": STR}],
-            "post": _op(
+            "post": operation(
                 "stop placing writes on a node and move its memory entries out",
                 obj(
                     {
@@ -234,7 +150,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
     )
     paths: dict[str, Any] = {
         "/healthz": {
-            "get": _op(
+            "get": operation(
                 "liveness",
                 obj(
                     {
@@ -242,6 +158,8 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         "nodes": INT,
                         "keys_memory": INT,
                         "metadata_store": {"enum": ["ok", "retrying"]},
+                        "metadata_taken_seq": INT,
+                        "metadata_flushed_seq": INT,
                         "shard": STR,
                         "key_range": STR,
                         "shard_urls": arr(STR),
@@ -251,7 +169,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/stats": {
-            "get": _op(
+            "get": operation(
                 "counters and sizes (and, with tenants configured, each tenant's share)",
                 obj(
                     {k: INT for k in STATS_KEYS},
@@ -266,11 +184,15 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                 errors=(401,),
             )
         },
-        "/v1/nodes": {"get": _op("slab/disk nodes", obj({"nodes": arr(node)}), errors=(401,))},
+        "/v1/nodes": {
+            "get": operation("slab/disk nodes", obj({"nodes": arr(node)}), errors=(401,))
+        },
         "/v1/keys/{key}": {
             "parameters": KEY_PARAM,
-            "get": _op("where a key is", key_view, errors=(400, 401), extra={404: "no such key"}),
-            "delete": _op(
+            "get": operation(
+                "where a key is", key_view, errors=(400, 401), extra={404: "no such key"}
+            ),
+            "delete": operation(
                 "drop a key everywhere",
                 obj({"deleted": KEY}),
                 errors=(400, 401, 403),
@@ -285,13 +207,13 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                         "description": "Prometheus text format",
                         "content": {"text/plain": {"schema": STR}},
                     },
-                    "401": _json(ERROR, "missing or wrong token"),
+                    "401": json_content(ERROR, "missing or wrong token"),
                 },
             }
         },
-        "/openapi.json": {"get": _op("this document", {"type": "object"}, errors=(401,))},
+        "/openapi.json": {"get": operation("this document", {"type": "object"}, errors=(401,))},
         "/v1/lookup": {
-            "post": _op(
+            "post": operation(
                 "longest ready prefix of keys, with read leases and READ grants; where it "
                 "reaches the disk, one window of a stream ('more': continue the lease)",
                 obj(
@@ -319,7 +241,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/allocate": {
-            "post": _op(
+            "post": operation(
                 "first writer wins: allocate space and WRITE grants under one write lease",
                 obj(
                     {
@@ -351,7 +273,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/commit": {
-            "post": _op(
+            "post": operation(
                 "write-finish: make written entries visible",
                 obj(
                     {
@@ -370,28 +292,28 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/abort": {
-            "post": _op(
+            "post": operation(
                 "give up writes and free their space",
                 obj({"aborted": INT}),
                 obj({"lease": LEASE}, {"keys": batch(KEY)}),
             )
         },
         "/v1/release": {
-            "post": _op(
+            "post": operation(
                 "end read leases early; report keys whose bytes failed their checksum",
                 obj({"released": INT}),
                 obj({"leases": batch(LEASE, 1)}, {"corrupt": batch(KEY)}),
             )
         },
         "/v1/renew": {
-            "post": _op(
+            "post": operation(
                 "extend read or write leases",
                 obj({"renewed": arr(LEASE)}),
                 obj({"leases": batch(LEASE, 1)}),
             )
         },
         "/v1/nodes/register": {
-            "post": _op(
+            "post": operation(
                 "a slab joins (or rejoins) with its incarnation",
                 obj(
                     {
@@ -424,7 +346,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/nodes/heartbeat": {
-            "post": _op(
+            "post": operation(
                 "a slab is alive (and reports its own counters)",
                 obj({"ok": {"type": "boolean"}}),
                 obj(
@@ -447,7 +369,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/nodes/orders": {
-            "post": _op(
+            "post": operation(
                 "long poll of a node's disk role for offload/reload/delete orders",
                 obj({"orders": arr(ORDER)}),
                 obj({"node_id": NODE_ID, "incarnation": INCARNATION}, {"wait": WAIT}),
@@ -456,7 +378,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/nodes/done": {
-            "post": _op(
+            "post": operation(
                 "a disk role reports finished orders",
                 obj({"ok": {"type": "boolean"}}),
                 obj(
@@ -486,7 +408,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/nodes/confirm": {
-            "post": _op(
+            "post": operation(
                 "a slab registered with a restarted manager answers which of its memory "
                 "extents still hash to their entry's checksum, and gets the next to check",
                 obj({"check": arr(obj({"offset": INT, "length": INT, "checksum": STR}))}),
@@ -505,7 +427,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/nodes/adopt": {
-            "post": _op(
+            "post": operation(
                 "a restarted slab+disk reports the files it holds; they serve hits again",
                 obj({"adopted": INT, "delete": arr(IDENT)}),
                 obj(
@@ -529,7 +451,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
             )
         },
         "/v1/nodes/unregister": {
-            "post": _op(
+            "post": operation(
                 "a slab leaves; its entries are dropped",
                 obj({"ok": {"type": "boolean"}}),
                 NODE_REF,
@@ -539,7 +461,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
         },
         **_operator_paths(),
     }
-    wrong_shard = _json(
+    wrong_shard = json_content(
         ERROR, "wrong_shard: a key outside this manager shard's range (manager/shard.py)"
     )
     for path, method in (
@@ -554,10 +476,12 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
     ):
         paths[path][method]["responses"]["421"] = wrong_shard
     for path in CORS_PATHS:
-        paths[path]["options"] = _preflight()
+        paths[path]["options"] = preflight()
     # Without a token (manager/browser.py): what only a foreign web page would send.
-    foreign_host = _json(ERROR, "no token configured and Host is not localhost or an IP address")
-    not_json = _json(ERROR, "no token configured and the body is not application/json")
+    foreign_host = json_content(
+        ERROR, "no token configured and Host is not localhost or an IP address"
+    )
+    not_json = json_content(ERROR, "no token configured and the body is not application/json")
     for ops in paths.values():
         for method, op in ops.items():
             if method != "parameters":

@@ -21,7 +21,20 @@ from polarkv_lib.wire.control import CONFIRM_BATCH
 CONFIRM_TIMEOUT = 10.0
 
 
-class Snapshots(Tables):
+class Snapshots:
+    """Persistence over the core's tables (composed into `Metadata` as `snapshots`): the
+    restore's own state lives here, the rows it brings back go into the tables."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
+        # persisted rows of nodes that have not registered (or finished restoring) since
+        # the manager started, and the keys they name (kept, not deleted, on a flush)
+        self.restored: dict[str, tuple[NodeRow, list[EntryRow]]] = {}
+        self.waiting_keys: set[str] = set()
+        self.restore_jobs: dict[str, RestoreJob] = {}
+        self.restore_slice = 2000  # rows per slice: a few milliseconds between two requests
+        self.finished: list[RestoreJob] = []  # done since `take_finished` (the shell logs them)
+
     def restore(self, nodes: list[NodeRow], entries: list[EntryRow]) -> None:
         """Keep what a previous manager persisted until each node registers again."""
         by_node: dict[str, list[EntryRow]] = {}
@@ -33,9 +46,9 @@ class Snapshots(Tables):
             self.restored[node_row.node_id] = (node_row, rows)
             self.waiting_keys.update(ident(row.tenant, row.key) for row in rows)
         for orphans in by_node.values():  # entries of a node we have no row for
-            self.dirty_keys.update(ident(row.tenant, row.key) for row in orphans)
+            self.tables.dirty_keys.update(ident(row.tenant, row.key) for row in orphans)
 
-    def _begin_restore(self, node: Node) -> None:
+    def begin(self, node: Node) -> None:
         """A node registers: its persisted disk entries serve again if it has its disk;
         its memory entries too if it kept its incarnation (its buffer survived us)."""
         saved = self.restored.pop(node.node_id, None)
@@ -46,7 +59,7 @@ class Snapshots(Tables):
             node_row.incarnation == node.incarnation and node_row.capacity == node.capacity
         )
         node.restoring = True
-        job = RestoreJob(node, same_buffer, rows)
+        job = RestoreJob(node, same_buffer, rows, started=self.tables.clock())
         if same_buffer:  # its memory copies come back once the slab confirms them
             job.checks = [
                 (r.mem_offset, r.size, r.checksum)
@@ -54,7 +67,7 @@ class Snapshots(Tables):
                 if r.in_memory and r.incarnation == node.incarnation
             ]
             job.confirming = bool(job.checks)
-            job.confirm_until = self.clock() + CONFIRM_TIMEOUT
+            job.confirm_until = self.tables.clock() + CONFIRM_TIMEOUT
         self.restore_jobs[node.node_id] = job
         self.restore_step()
 
@@ -66,7 +79,7 @@ class Snapshots(Tables):
         left (the restore then goes on). None: not a node being restored."""
         job = self.restore_jobs.get(node_id)
         if job is None or job.node.incarnation != incarnation or not job.node.alive:
-            node = self.nodes.get(node_id)
+            node = self.tables.nodes.get(node_id)
             known = node is not None and node.alive and node.incarnation == incarnation
             return [] if known else None
         job.held.update((offset, checksum) for offset, checksum, ok in held if ok)
@@ -94,7 +107,7 @@ class Snapshots(Tables):
             if budget <= 0:
                 break
             if job.confirming and job.node.alive:
-                if self.clock() < job.confirm_until:
+                if self.tables.clock() < job.confirm_until:
                     continue  # the slab has not answered yet
                 job.confirming = False  # it never did: none of its memory is trusted
             end = min(job.done + budget, len(job.rows))
@@ -106,21 +119,28 @@ class Snapshots(Tables):
                 for row in job.rows[job.done :]:
                     key = ident(row.tenant, row.key)
                     self.waiting_keys.discard(key)
-                    self.dirty_keys.add(key)
+                    self.tables.dirty_keys.add(key)
             budget -= end - job.done
             job.done = end
             if job.done == len(job.rows):
                 job.node.restoring = False
                 del self.restore_jobs[node_id]
+                self.finished.append(job)
         return bool(self.restore_jobs)
+
+    def take_finished(self) -> list[RestoreJob]:
+        """The node restores that ended since the last call (a small one ends inside the
+        registration that began it)."""
+        done, self.finished = self.finished, []
+        return done
 
     def _restore_row(self, job: RestoreJob, row: EntryRow) -> None:
         node = job.node
         key = ident(row.tenant, row.key)
         self.waiting_keys.discard(key)
-        was_dirty = key in self.dirty_keys  # changed meanwhile (e.g. written elsewhere)
-        if self.get(key) is not None:
-            self.dirty_keys.add(key)  # the store gets the newer entry
+        was_dirty = key in self.tables.dirty_keys  # changed meanwhile (e.g. written elsewhere)
+        if self.tables.get(key) is not None:
+            self.tables.dirty_keys.add(key)  # the store gets the newer entry
             return
         in_memory = (
             job.same_buffer
@@ -131,7 +151,7 @@ class Snapshots(Tables):
         )
         on_disk = row.on_disk and node.has_disk
         if not in_memory and not on_disk:
-            self.dirty_keys.add(key)  # not restored: its row is deleted
+            self.tables.dirty_keys.add(key)  # not restored: its row is deleted
             return
         residency = (
             Residency.BOTH
@@ -149,17 +169,17 @@ class Snapshots(Tables):
             State.READY,
             row.created,
             row.created,
-            gen=self._next_gen(),
+            gen=self.tables._next_gen(),
             checksum=row.checksum,
             residency=residency,
             tenant=row.tenant,
         )
-        self.entries[key] = entry
+        self.tables.entries[key] = entry
         node.entries.add(key)
         if in_memory:
-            self._memory_ready(entry)
+            self.tables._memory_ready(entry)
         if on_disk:
-            self._file_added(entry, row.file_bytes)
+            self.tables._file_added(entry, row.file_bytes)
         exact = (
             in_memory == row.in_memory
             and on_disk == row.on_disk
@@ -169,7 +189,7 @@ class Snapshots(Tables):
             # Back exactly as persisted: its row stays as it is. Rewriting every restored
             # row made the write-behind redo the whole table during a restore (1M rows:
             # most of the restore's time, on the loop and in the store's thread).
-            self.dirty_keys.discard(key)
+            self.tables.dirty_keys.discard(key)
 
     def take_changes(self) -> Batch:
         """The current state of everything changed since the last call."""
@@ -184,12 +204,12 @@ class Snapshots(Tables):
                 n.host_id,
                 ",".join(n.transports),
             )
-            for n in (self.nodes.get(i) for i in self.dirty_nodes)
+            for n in (self.tables.nodes.get(i) for i in self.tables.dirty_nodes)
             if n is not None
         ]
         entries, deleted = [], []
-        for key in self.dirty_keys:
-            entry = self.get(key)
+        for key in self.tables.dirty_keys:
+            entry = self.tables.get(key)
             if entry is None or entry.state is not State.READY or not entry.node.alive:
                 if key not in self.waiting_keys:  # a node not back yet keeps its rows
                     deleted.append(key)
@@ -211,12 +231,12 @@ class Snapshots(Tables):
                     entry.tenant,
                 )
             )
-        self.dirty_keys.clear()
-        self.dirty_nodes.clear()
+        self.tables.dirty_keys.clear()
+        self.tables.dirty_nodes.clear()
         return Batch(nodes, entries, deleted)
 
     def requeue(self, batch: Batch) -> None:
         """A batch that could not be written: mark its keys and nodes again."""
-        self.dirty_nodes.update(n.node_id for n in batch.nodes)
-        self.dirty_keys.update(ident(e.tenant, e.key) for e in batch.entries)
-        self.dirty_keys.update(batch.deleted_keys)
+        self.tables.dirty_nodes.update(n.node_id for n in batch.nodes)
+        self.tables.dirty_keys.update(ident(e.tenant, e.key) for e in batch.entries)
+        self.tables.dirty_keys.update(batch.deleted_keys)

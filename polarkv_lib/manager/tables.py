@@ -29,12 +29,10 @@ from polarkv_lib.manager.model import (
     Node,
     ReadLease,
     Residency,
-    RestoreJob,
     State,
     TenantStats,
     WriteLease,
 )
-from polarkv_lib.manager.rows import EntryRow, NodeRow
 from polarkv_lib.tenancy import Tenants
 from polarkv_lib.wire.orders import Order, TierOp, file_bytes_bound
 
@@ -82,12 +80,6 @@ class Tables:
         # write-behind: what changed since the last flush (see manager/store.py)
         self.dirty_keys: set[str] = set()
         self.dirty_nodes: set[str] = set()
-        # persisted rows of nodes that have not registered (or finished restoring) since
-        # the manager started, and the keys they name (kept, not deleted, on a flush)
-        self.restored: dict[str, tuple[NodeRow, list[EntryRow]]] = {}
-        self.waiting_keys: set[str] = set()
-        self.restore_jobs: dict[str, RestoreJob] = {}
-        self.restore_slice = 2000  # rows per slice: a few milliseconds between two requests
 
     # -- tables -------------------------------------------------------------------------
 
@@ -233,6 +225,16 @@ class Tables:
         if entry.on_disk:
             self._forget_file(entry, delete=True)
         self._maybe_free(entry)
+
+    def _end_write_lease(self, lease_id: str) -> int:
+        """End a write lease (release, abort, expiry): what it still writes is dropped.
+        How many that was."""
+        lease = self.write_leases.pop(lease_id, None)
+        if lease is None:
+            return 0
+        for entry in lease.entries.values():
+            self._drop(entry)
+        return len(lease.entries)
 
     def _end_offload(self, entry: Entry) -> None:
         node = entry.node

@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from polarkv_lib.errors import BadRequest
+from polarkv_lib.logs import Events
 from polarkv_lib.manager.browser import CORS_PATHS, BrowserGuard
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import CAPACITY, EventRing, Kind
@@ -128,7 +129,7 @@ class OperatorRoutes:
         if view is None:
             raise BadRequest("no such live node", 404)
         if first:
-            log.info("node draining", node=node_id, keys_memory=view["keys_memory"])
+            log.info(Events.NODE_DRAINING, node=node_id, keys_memory=view["keys_memory"])
             self.events.add(Kind.NODE_DRAINING, node_id, "node draining (operator)")
         self._kick()
         return web.Response(body=orjson.dumps(view), content_type="application/json")

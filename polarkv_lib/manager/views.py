@@ -53,9 +53,14 @@ STATS_KEYS = (
 )
 
 
-class Views(Tables):
+class Views:
+    """Read-only over the core's tables (composed into `Metadata` as `views`)."""
+
+    def __init__(self, tables: Tables) -> None:
+        self.tables = tables
+
     def describe(self, key: str) -> dict[str, Any] | None:
-        entry = self.get(key)
+        entry = self.tables.get(key)
         if entry is None:
             return None
         tiers = (["memory"] if entry.in_memory and entry.alloc_size else []) + (
@@ -95,7 +100,7 @@ class Views(Tables):
                 "draining": n.draining,
                 "offloads_pending": len(n.offloads),
             }
-            for n in self.nodes.values()
+            for n in self.tables.nodes.values()
         ]
 
     def tenant_views(self) -> dict[str, dict[str, int]]:
@@ -103,19 +108,19 @@ class Views(Tables):
         the memory its ready entries take."""
         return {
             name or "default": {f: getattr(t, f) for f in TenantStats.__slots__}
-            for name, t in sorted(self.tenant_stats.items())
+            for name, t in sorted(self.tables.tenant_stats.items())
         }
 
     def tier_failures(self) -> dict[str, int]:
-        return dict(self.counters.tier_failures)
+        return dict(self.tables.counters.tier_failures)
 
     def stats(self) -> dict[str, int]:
-        alive = [n for n in self.nodes.values() if n.alive]
-        c = self.counters
+        alive = [n for n in self.tables.nodes.values() if n.alive]
+        c = self.tables.counters
         stats = {
             "keys_memory": sum(n.keys_memory for n in alive),
             "keys_disk": sum(len(n.disk_lru) for n in alive),
-            "keys_writing": sum(len(w.entries) for w in self.write_leases.values()),
+            "keys_writing": sum(len(w.entries) for w in self.tables.write_leases.values()),
             "bytes_memory": sum(n.ready_bytes for n in alive),
             "bytes_memory_allocated": sum(n.allocator.used for n in alive),
             "bytes_disk": sum(n.disk_used for n in alive),
@@ -147,10 +152,10 @@ class Views(Tables):
             "corrupt_reports_rejected": c.corrupt_reports_rejected,
             "deletes": c.deletes,
             "entries_lost": c.entries_lost,
-            "read_leases": len(self.read_leases),
-            "write_leases": len(self.write_leases),
+            "read_leases": len(self.tables.read_leases),
+            "write_leases": len(self.tables.write_leases),
             "nodes": len(alive),
-            "nodes_dead": len(self.nodes) - len(alive),
+            "nodes_dead": len(self.tables.nodes) - len(alive),
         }
         assert tuple(stats) == STATS_KEYS  # one schema: openapi and metrics read STATS_KEYS
         return stats

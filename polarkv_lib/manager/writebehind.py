@@ -5,6 +5,12 @@ A batch taken from the core and not written (store down, or the task cancelled i
 middle of a write) is marked changed again, so it is never lost while the process
 lives. A graceful stop never cancels a write: it asks the task for one last flush of
 everything committed until then and waits for it, within a bound.
+
+Rounds are numbered: `taken_seq` counts the rounds that have taken changes from the
+core, `flushed_seq` is the number of the last round written whole (an empty round
+counts). A change committed before `taken_seq` read n is in the store once
+`flushed_seq` > n: round n + 1 took it (or its requeued batch went with a later one).
+/healthz shows both, so tests and benchmarks wait for a flush instead of sleeping.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 
 import structlog
 
+from polarkv_lib.logs import Events
 from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.events import EventRing, Kind
 from polarkv_lib.manager.store import MetadataStore
@@ -32,6 +39,8 @@ class WriteBehind:
         self.events = events
         self.interval = interval
         self.failures = 0  # consecutive failed writes (0: the store is caught up)
+        self.taken_seq = 0  # rounds that took changes from the core
+        self.flushed_seq = 0  # the last round written whole
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -54,16 +63,19 @@ class WriteBehind:
 
     async def flush(self) -> bool:
         """Write what changed since the last flush. False if the store failed (kept)."""
-        batch = self.meta.take_changes()
+        batch = self.meta.snapshots.take_changes()
+        self.taken_seq += 1
+        seq = self.taken_seq
         if not len(batch):
+            self.flushed_seq = seq
             return True
         try:
             await self.store.write(batch)
         except asyncio.CancelledError:  # maybe not written: mark its keys again
-            self.meta.requeue(batch)
+            self.meta.snapshots.requeue(batch)
             raise
         except Exception as exc:  # store down: keep the changes, retry later
-            self.meta.requeue(batch)
+            self.meta.snapshots.requeue(batch)
             self.failures += 1
             if self.failures == 1:
                 self.events.add(
@@ -71,15 +83,16 @@ class WriteBehind:
                 )
             if self.failures == 1 or self.failures % 50 == 0:
                 log.warning(
-                    "metadata write-behind failed; will retry",
+                    Events.STORE_RETRYING,
                     error=repr(exc),
                     failures=self.failures,
                 )
             return False
         if self.failures:
-            log.info("metadata write-behind caught up", after_failures=self.failures)
+            log.info(Events.STORE_CAUGHT_UP, after_failures=self.failures)
             self.events.add(Kind.STORE_CAUGHT_UP, "metadata", "metadata store caught up")
             self.failures = 0
+        self.flushed_seq = seq
         return True
 
     async def _loop(self) -> None:

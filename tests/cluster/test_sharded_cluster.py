@@ -42,6 +42,15 @@ def wait_dead(cluster: Cluster, node: str, timeout: float = 10.0) -> None:
             time.sleep(0.1)
 
 
+def wait_flushed(cluster: Cluster, url: str, timeout: float = 10.0) -> None:
+    """Until a write-behind round that began after the call is written (docs/API.md)."""
+    taken = cluster.admin(url, "/healthz")["metadata_taken_seq"]
+    deadline = time.monotonic() + timeout
+    while cluster.admin(url, "/healthz")["metadata_flushed_seq"] <= taken:
+        assert time.monotonic() < deadline, f"{url}: no metadata flush in {timeout}s"
+        time.sleep(0.05)
+
+
 def test_two_shards_three_memory_vms_two_clients(make_cluster: MakeCluster) -> None:
     cluster = make_cluster("pkvts", "10.77.15", shards=2, memory_vms=3, client_vms=2)
     mem = [vm.name for vm in cluster.spec.vms() if vm.role == "memory"]
@@ -110,7 +119,7 @@ def test_a_killed_shard_costs_only_its_range_and_restarts(make_cluster: MakeClus
     cluster = make_cluster("pkvtr", "10.77.17", shards=2, memory_vms=2, client_vms=1, settings=FAST)
     prompts, chunks = 12, 4
     run_client(cluster, "cli0", "store", "shard", prompts=prompts, chunks=chunks, size=SIZE)
-    time.sleep(1.0)  # past the metadata write-behind interval: shard 1's rows are on disk
+    wait_flushed(cluster, cluster.spec.manager_urls()[1])  # shard 1's rows are stored
     cluster.kill("mgr1", signal.SIGKILL)
     expected = []
     for p in range(prompts):

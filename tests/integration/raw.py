@@ -7,7 +7,7 @@ import socket
 import time
 from typing import Any
 
-from polarkv_lib.client.async_client import checksum
+from polarkv_lib.client.transfers import checksum
 from polarkv_lib.transport.base import NodeTarget, Region
 from polarkv_lib.transport.tcp import TcpTransport
 from polarkv_lib.wire import frames

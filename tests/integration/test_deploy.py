@@ -17,6 +17,7 @@ import yaml
 
 import polarkv
 from polarkv_lib.config import Config, load_config, parse_size
+from polarkv_lib.runner import MANAGER_STOP_BOUND, SLAB_STOP_BOUND
 from polarkv_lib.shards import Shard, split_urls
 from tests.conftest import ROOT
 
@@ -160,7 +161,26 @@ def test_systemd_units_run_a_command_polarkv_accepts(unit: str) -> None:
     ctx = polarkv.main.make_context("polarkv", argv[1:])
     expected = ["manager"] if "manager" in unit else ["slab", "disk"]
     assert list(ctx.params["roles"]) == expected and ctx.params["log_format"] == "json"
-    assert int(service["TimeoutStopSec"]) > 10  # above the process's own stop bound
+    # above the process's own stop bound, which the unit's comment names truly
+    bound = MANAGER_STOP_BOUND if "manager" in unit else SLAB_STOP_BOUND
+    assert int(service["TimeoutStopSec"]) > bound
+    text = (DEPLOY / "systemd" / unit).read_text()
+    assert all(int(n) == bound for n in re.findall(r"(\d+) s bound", text)), text
     with pytest.raises(click.UsageError):  # the check would notice a flag that does not exist
         polarkv.main.make_context("polarkv", [*argv[1:], "--no-such-flag"])
     assert f"deploy/systemd/{unit}" in (ROOT / "docs" / "OPERATIONS.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("name", "bound"),
+    [
+        ("manager-shard-0.yaml", MANAGER_STOP_BOUND),
+        ("manager-shard-1.yaml", MANAGER_STOP_BOUND),
+        ("node.yaml", SLAB_STOP_BOUND),
+    ],
+)
+def test_kubernetes_grace_periods_cover_the_stop_bound_they_name(name: str, bound: float) -> None:
+    text = (DEPLOY / "kubernetes" / name).read_text()
+    grace = re.findall(r"terminationGracePeriodSeconds: (\d+) +# .*stop bound is (\d+) s", text)
+    assert grace, f"{name}: no grace period naming the stop bound"
+    assert all(int(period) > bound and int(named) == bound for period, named in grace)

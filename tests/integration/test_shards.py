@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 from polarkv_lib.client import PolarKVClient
+from polarkv_lib.client.admin import AdminClient
 from polarkv_lib.keys import chunk_keys
 from polarkv_lib.shards import Shard, shard_of
 from tests.conftest import Cluster, PolarKV, http, stats, wait_for
@@ -163,7 +164,7 @@ def test_one_shard_down_misses_only_its_range_and_recovers(
     assert first_of_1 == 5
     with PolarKVClient(urls, namespace=namespace, chunk_tokens=CHUNK_TOKENS, timeout=2.0) as client:
         assert client.store_kv(tokens, [chunk(i) for i in range(32)]) == 32
-        time.sleep(0.6)  # past the metadata write-behind interval (200 ms)
+        AdminClient(shards[1].manager_url).wait_flushed()  # shard 1's rows are stored
         # Hung (it accepts, never answers), then dead: either way the load stops at the
         # first key shard 1 owns, every key before it loads, and within the timeout.
         for fault in (signal.SIGSTOP, signal.SIGKILL):

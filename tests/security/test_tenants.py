@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from polarkv_lib.client import PolarKVClient
-from polarkv_lib.client.async_client import checksum
+from polarkv_lib.client.transfers import checksum
 from polarkv_lib.transport.tcp import TcpTransport
 from tests.conftest import PG, Cluster, free_port, http, pg, prompt, wait_for
 from tests.integration.raw import region

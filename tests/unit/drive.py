@@ -287,7 +287,7 @@ def confirm_all(md: Metadata, node_id: str, incarnation: int) -> int:
     asked about still holds its entry's bytes. How many it confirmed."""
     held: list[tuple[int, str, bool]] = []
     confirmed = 0
-    while checks := md.confirm(node_id, incarnation, held) or []:
+    while checks := md.snapshots.confirm(node_id, incarnation, held) or []:
         held = [(offset, checksum, True) for offset, _, checksum in checks]
         confirmed += len(held)
     return confirmed

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from polarkv_lib.cli import views
-from polarkv_lib.cli.api import Shards
+from polarkv_lib.cli.api import AdminError, Shards
 
 
 def node(id_: str, state: str = "alive", **kw: int) -> dict[str, object]:
@@ -65,14 +65,19 @@ def test_tables_align_and_say_what_is_down() -> None:
     text = views.stats_table(
         [
             ("http://a:1", {"keys_memory": 1234, "hits": 1, "misses": 1, "nodes": 1}),
-            ("http://b:2", "http://b:2: cannot reach the manager"),
+            ("http://b:2", AdminError("http://b:2", "cannot reach the manager")),
+            ("http://c:3", AdminError("http://c:3", "HTTP 401 unauthorized", 401)),
         ],
         views.sum_stats([{"keys_memory": 1234, "hits": 1, "misses": 1}]),
     )
     lines = text.splitlines()
     assert lines[0].startswith("SHARD") and "a:1" in lines[1] and "unreachable" in lines[2]
-    assert lines[3].startswith("total") and "50.0%" in lines[3]
-    assert lines[-1] == "unreachable: http://b:2: cannot reach the manager"
+    assert "refused (401)" in lines[3]  # it answered: a token problem, not the network
+    assert lines[4].startswith("total") and "50.0%" in lines[4]
+    assert lines[-2:] == [
+        "unreachable: http://b:2: cannot reach the manager",
+        "refused (401): http://c:3: HTTP 401 unauthorized",
+    ]
     assert lines[0].index("NODES") == lines[1].index("1 up") and "1,234/0" in lines[1]
     assert views.nodes_table([]) == "no nodes registered"
     table = views.nodes_table([node("n1", memory_used=50)], now=3.0)

@@ -337,7 +337,9 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         (["manager.metadata_flush=61s"], "manager.metadata_flush"),
         (["manager.memory_low_watermark=0.95"], "manager.memory_low_watermark"),  # low > high
         (["manager.memory_low_watermark=0"], "manager.memory_low_watermark"),
-        (["manager.memory_high_watermark=1.01"], "manager.memory_low_watermark"),
+        (["manager.memory_high_watermark=1.01"], "manager.memory_high_watermark"),
+        (["manager.memory_high_watermark=1.5"], "manager.memory_high_watermark"),
+        (["manager.memory_high_watermark=0"], "manager.memory_high_watermark"),
         (["manager.disk_high_watermark=0"], "manager.disk_high_watermark"),
         (["manager.disk_high_watermark=1.5"], "manager.disk_high_watermark"),
         (["manager.read_lease=0"], "manager.read_lease"),

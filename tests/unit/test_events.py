@@ -39,3 +39,20 @@ def test_repeats_fold_with_a_count_and_a_new_seq() -> None:
     ring.add(Kind.TIER_FAILURE, "n1", "offload failed")
     assert len(ring) == 3 and ring.since(3)[0]["count"] == 1
     assert ring.since(0)[0]["level"] == "info" and ring.since(3)[0]["level"] == "warning"
+
+
+def test_every_kind_of_the_feed_is_a_log_event_the_manager_logs() -> None:
+    """One vocabulary (polarkv_lib/logs.py): each kind on the page names its log line,
+    and the manager's code logs that line by its constant."""
+    from pathlib import Path
+
+    from polarkv_lib.logs import Events
+    from polarkv_lib.manager.events import LOG_EVENTS
+
+    assert set(LOG_EVENTS) == set(Kind)
+    names = {v: k for k, v in vars(Events).items() if k.isupper()}
+    manager = Path(__file__).resolve().parents[2] / "polarkv_lib" / "manager"
+    source = "".join(p.read_text() for p in manager.glob("*.py"))
+    for kind, line in LOG_EVENTS.items():
+        assert line in names, kind
+        assert f"Events.{names[line]}" in source and f"Kind.{kind.name}" in source, kind

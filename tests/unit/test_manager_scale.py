@@ -56,16 +56,16 @@ def full_core(count: int, *, disk: bool = False, on_disk: bool = False) -> tuple
     row = NodeRow(
         "n1", 1, "127.0.0.1:1", count * SIZE, (count * SIZE * 4) if disk else 0, "", "h", "tcp"
     )
-    md.restore([row], synthetic_rows(row, count, SIZE, on_disk=on_disk))
+    md.snapshots.restore([row], synthetic_rows(row, count, SIZE, on_disk=on_disk))
     started = time.perf_counter()
     node, _ = md.register("n1", 1, row.address, row.capacity, "", "h", ["tcp"], row.disk_capacity)
     assert confirm_all(md, "n1", 1) == count  # its buffer survived: every row still holds
-    assert md.restoring and node.restoring  # nothing restored before the slab answered
+    assert md.snapshots.restoring and node.restoring  # nothing restored before the slab answered
     slices = [time.perf_counter() - started]
     restored = [len(node.entries)]
     while True:
         started = time.perf_counter()
-        more = md.restore_step()
+        more = md.snapshots.restore_step()
         slices.append(time.perf_counter() - started)
         restored.append(len(node.entries) - sum(restored))
         if not more:
@@ -75,7 +75,10 @@ def full_core(count: int, *, disk: bool = False, on_disk: bool = False) -> tuple
     # all of it in one piece that blocked the loop for most of a minute). Work is what
     # is asserted; time only loosely, by the median slice, because a collector pause or
     # a loaded machine can stretch any single one.
-    assert max(restored) <= md.restore_slice and len(slices) >= count // md.restore_slice
+    assert (
+        max(restored) <= md.snapshots.restore_slice
+        and len(slices) >= count // md.snapshots.restore_slice
+    )
     slices.sort()
     assert slices[len(slices) // 2] < 0.25, slices[-5:]
     return md, node

@@ -52,8 +52,8 @@ def ready_keys(md: Metadata) -> set[str]:
 
 def test_register_and_refresh() -> None:
     md, clock, node = make()
-    assert md.stats()["nodes"] == 1
-    assert md.stats()["capacity_memory"] == 4 * CHUNK
+    assert md.views.stats()["nodes"] == 1
+    assert md.views.stats()["capacity_memory"] == 4 * CHUNK
     clock.now += 1
     again, new = md.register("n1", 1, "127.0.0.1:9002", 4 * CHUNK, "", "", ["tcp", "shm"])
     assert again is node and not new
@@ -76,7 +76,7 @@ def test_allocate_in_progress_then_exists() -> None:
     assert r.entry.state is State.WRITING and r.entry.node is node
     assert r.entry.alloc_size == size_class(1000)
     assert node.allocator.used == size_class(1000)
-    assert md.stats()["keys_writing"] == 1
+    assert md.views.stats()["keys_writing"] == 1
 
     second, lease2 = allocate(md, [(A, 1000)])
     assert second[0].status is AllocStatus.IN_PROGRESS and lease2 is None
@@ -87,13 +87,13 @@ def test_allocate_in_progress_then_exists() -> None:
     third, lease3 = allocate(md, [(A, 1000)])
     assert third[0].status is AllocStatus.EXISTS and lease3 is None
     assert third[0].entry is md.get(A)
-    described = md.describe(A)
+    described = md.views.describe(A)
     assert described is not None
     assert described["state"] == "ready" and described["checksum"] == "ab" * 8
     assert described["size"] == 1000
     c = md.counters
     assert (c.allocations, c.in_progress, c.exists, c.commits) == (1, 1, 1, 1)
-    stats = md.stats()
+    stats = md.views.stats()
     assert stats["keys_memory"] == 1 and stats["bytes_memory"] == 1000
     assert stats["keys_writing"] == 0 and stats["write_leases"] == 0
 
@@ -163,7 +163,7 @@ def test_lookup_longest_ready_prefix_and_counters() -> None:
     assert hits == []
     hits, _ = lookup(md, [A, C], take_lease=False)
     assert [e.key for e in hits] == [A, C]
-    stats = md.stats()
+    stats = md.views.stats()
     assert (stats["hits"], stats["misses"], stats["lookups"]) == (4, 6, 4)
 
 
@@ -176,7 +176,7 @@ def test_lookup_lease_counts_readers() -> None:
     _, l2 = lookup(md, [A, B], take_lease=True)
     assert l1 and l2 and l1 != l2
     assert a.readers == 2
-    assert md.stats()["read_leases"] == 2
+    assert md.views.stats()["read_leases"] == 2
     _, l3 = lookup(md, [B], take_lease=True)
     assert l3 is None  # nothing to protect, no lease
     assert md.release([l1, "0" * 16]).released == 1
@@ -184,7 +184,7 @@ def test_lookup_lease_counts_readers() -> None:
     assert md.release([l1]).released == 0  # already released: no double unref
     assert a.readers == 1
     md.release([l2])
-    assert a.readers == 0 and md.stats()["read_leases"] == 0
+    assert a.readers == 0 and md.views.stats()["read_leases"] == 0
 
 
 def test_read_lease_expiry_and_renew() -> None:
@@ -228,7 +228,7 @@ def test_write_lease_expiry_frees_space() -> None:
     assert node.allocator.used == 0 and node.quarantine == []
     assert node.allocator.extents() == [(0, node.allocator.capacity)]
     assert md.counters.expired_writes == 1
-    assert md.stats()["keys_writing"] == 0
+    assert md.views.stats()["keys_writing"] == 0
     assert md.commit(lease, [(A, "0" * 16)]) == {A: "lease_expired"}
     assert md.get(A) is None
     # the key is free for a new writer
@@ -301,7 +301,7 @@ def test_abort() -> None:
     assert md.abort(lease, None) == 0
     assert md.counters.aborts == 3
     assert md.commit(lease, [(A, "0" * 16)]) == {A: "lease_expired"}
-    assert md.stats()["keys_writing"] == 0 and md.stats()["keys_memory"] == 0
+    assert md.views.stats()["keys_writing"] == 0 and md.views.stats()["keys_memory"] == 0
     tick(md, clock, lease_expiry + WRITE_GRACE - clock.now - 0.5)
     assert node.allocator.used == 3 * CHUNK
     tick(md, clock, 0.5)
@@ -317,7 +317,7 @@ def test_delete_while_writing_makes_commit_report_dropped() -> None:
     assert node.allocator.used == CHUNK  # quarantined: the writer's grant is still valid
     assert md.commit(lease, [(A, "0" * 16)]) == {A: "dropped"}
     assert md.get(A) is None
-    assert md.stats()["keys_memory"] == 0
+    assert md.views.stats()["keys_memory"] == 0
     # a new writer of the key gets other space meanwhile
     results, _ = allocate(md, [(A, CHUNK)])
     assert results[0].entry is not None and results[0].entry.offset != 0
@@ -384,7 +384,7 @@ def test_no_space_when_every_entry_is_leased() -> None:
     assert wl is None
     assert ready_keys(md) == {A, B, C, D}
     assert md.counters.evictions == 0
-    assert md.stats()["alloc_no_space"] == 2
+    assert md.views.stats()["alloc_no_space"] == 2
 
 
 def test_request_larger_than_the_node_evicts_nothing() -> None:
@@ -450,7 +450,7 @@ def test_release_with_corrupt_key_drops_it() -> None:
     assert md.get(A) is None
     assert md.counters.checksum_failures == 1
     assert node.allocator.used == CHUNK  # A's extent is free again
-    assert md.stats()["keys_memory"] == 1
+    assert md.views.stats()["keys_memory"] == 1
 
 
 def test_corrupt_report_needs_a_released_lease_holding_the_key() -> None:
@@ -514,7 +514,7 @@ def test_delete_leased_entry_keeps_extent_until_release() -> None:
     assert md.get(A) is None
     assert lookup(md, [A], take_lease=False)[0] == []
     assert node.allocator.used == CHUNK
-    assert md.stats()["keys_memory"] == 0 and md.stats()["bytes_memory"] == 0
+    assert md.views.stats()["keys_memory"] == 0 and md.views.stats()["bytes_memory"] == 0
     # a new writer of the same key gets a different extent while the old one is read
     results, _ = allocate(md, [(A, CHUNK)])
     assert results[0].entry is not None and results[0].entry.offset != a.offset
@@ -555,13 +555,13 @@ def test_heartbeat_timeout_kills_node_and_drops_entries() -> None:
     tick(md, clock, HB_TTL + 1.5, beat=False)
     assert not node.alive
     assert md.get(A) is None and md.get(B) is None and md.get(C) is None
-    stats = md.stats()
+    stats = md.views.stats()
     assert stats["nodes"] == 0 and stats["nodes_dead"] == 1
     assert stats["keys_memory"] == 0 and stats["capacity_memory"] == 0
     assert md.counters.entries_lost == 2
     assert not md.heartbeat("n1", 1)
     assert allocate(md, [(D, CHUNK)])[0][0].status is AllocStatus.NO_SPACE
-    assert md.node_views()[0]["state"] == "dead"
+    assert md.views.node_views()[0]["state"] == "dead"
 
 
 def test_heartbeats_keep_node_alive() -> None:
@@ -585,7 +585,7 @@ def test_reregister_new_incarnation_drops_old_entries() -> None:
     # releasing a lease on the dead incarnation must not touch the new node's allocator
     reported(md, [lease], [A])
     assert node.allocator.used == CHUNK
-    assert md.stats()["nodes"] == 1 and md.stats()["keys_memory"] == 1
+    assert md.views.stats()["nodes"] == 1 and md.views.stats()["keys_memory"] == 1
 
 
 def test_reregister_same_incarnation_new_capacity_is_a_new_node() -> None:
@@ -595,7 +595,7 @@ def test_reregister_same_incarnation_new_capacity_is_a_new_node() -> None:
     node, new = md.register("n1", 1, "127.0.0.1:9001", 8 * CHUNK, "", "", ["tcp"])
     assert new and node is not old
     assert md.get(A) is None
-    assert md.stats()["capacity_memory"] == 8 * CHUNK
+    assert md.views.stats()["capacity_memory"] == 8 * CHUNK
 
 
 def test_registering_over_a_live_node_is_refused_and_drops_nothing() -> None:
@@ -626,7 +626,7 @@ def test_unregister_needs_the_right_incarnation() -> None:
     assert not md.unregister("n2", 1)
     assert node.alive
     assert md.unregister("n1", 1)
-    assert not node.alive and md.stats()["nodes"] == 0
+    assert not node.alive and md.views.stats()["nodes"] == 0
 
 
 def test_placement_weighs_nodes_by_free_memory() -> None:
@@ -645,7 +645,7 @@ def test_placement_weighs_nodes_by_free_memory() -> None:
     assert 65 <= placed.count("fresh") <= 92
     # ... but not all of them: it does not become the only place new KV lives
     assert placed.count("old") >= 8
-    assert md.stats()["bytes_memory_allocated"] == 400 * CHUNK
+    assert md.views.stats()["bytes_memory_allocated"] == 400 * CHUNK
 
 
 def test_placement_fills_every_node_before_evicting() -> None:
@@ -653,9 +653,9 @@ def test_placement_fills_every_node_before_evicting() -> None:
     n2, _ = md.register("n2", 1, "127.0.0.1:9002", 6 * CHUNK, "", "", ["tcp"])
     fill(md, [key(i) for i in range(10)])
     assert n1.allocator.free == n2.allocator.free == 0
-    assert md.stats()["evictions"] == 0
+    assert md.views.stats()["evictions"] == 0
     results, _ = allocate(md, [(key(10), CHUNK)])  # full: now one LRU entry goes
-    assert results[0].status is AllocStatus.ALLOCATED and md.stats()["evictions"] == 1
+    assert results[0].status is AllocStatus.ALLOCATED and md.views.stats()["evictions"] == 1
 
 
 def test_placement_skips_dead_nodes() -> None:

@@ -352,7 +352,7 @@ class MetadataMachine(RuleBasedStateMachine):
     @invariant()
     def stats_match_tables(self) -> None:
         ready = [e for e in self.md.entries.values() if e.state is State.READY]
-        stats = self.md.stats()
+        stats = self.md.views.stats()
         assert stats["keys_memory"] == len(ready)
         assert stats["bytes_memory"] == sum(e.size for e in ready)
         assert stats["nodes"] + stats["nodes_dead"] == len(self.md.nodes)

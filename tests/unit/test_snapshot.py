@@ -91,8 +91,8 @@ def test_restore_of_take_changes_round_trips(
         else:
             md.adopt("d1", 1, [(key, size, SUM, size + 4096)])
         if i % 5 == 0:  # flushes happen in between, too
-            persisted(md.take_changes(), store)
-    nodes = md.take_changes()
+            persisted(md.snapshots.take_changes(), store)
+    nodes = md.snapshots.take_changes()
     persisted(nodes, store)
     before = view(md)
     node_rows = [
@@ -110,12 +110,12 @@ def test_restore_of_take_changes_round_trips(
     ]
 
     again = core(FakeClock())
-    again.restore(node_rows, list(store.values()))
-    assert again.take_changes().deleted_keys == []  # rows of nodes not back yet stay
+    again.snapshots.restore(node_rows, list(store.values()))
+    assert again.snapshots.take_changes().deleted_keys == []  # rows of nodes not back yet stay
     join(again)
     for node_id in ("m1", "d1"):  # their buffers survived: every memory row still holds
         confirm_all(again, node_id, 1)
-    while again.restore_step(slice_rows):
+    while again.snapshots.restore_step(slice_rows):
         pass
     assert view(again) == before
     for node_id in ("m1", "d1"):
@@ -130,7 +130,7 @@ def test_restore_of_take_changes_round_trips(
         assert not new.restoring
     # and what the restored core writes is what was read; rows that came back exactly as
     # persisted are not written again (a restore must not rewrite the whole table)
-    changes = again.take_changes()
+    changes = again.snapshots.take_changes()
     rows = {r.key: r for r in changes.entries}
     assert {k: r for k, r in rows.items()} == {k: store[k] for k in rows}
     assert changes.deleted_keys == []
@@ -142,42 +142,44 @@ def test_a_restore_writes_back_only_what_changed() -> None:
     md = core(clock)
     node = NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")
     rows = synthetic_rows(node, 500, 4096)
-    md.restore([node], rows)
+    md.snapshots.restore([node], rows)
     md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])
     assert confirm_all(md, "m1", 1) == 500
-    while md.restore_step(64):
+    while md.snapshots.restore_step(64):
         pass
-    assert md.stats()["keys_memory"] == 500
-    assert len(md.take_changes()) == 1  # only the node's own row
+    assert md.views.stats()["keys_memory"] == 500
+    assert len(md.snapshots.take_changes()) == 1  # only the node's own row
     # a new incarnation lost the buffer: every row is deleted from the store
     clock.now += 2.0  # the old one missed its heartbeats
     md.register("m1", 2, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])
-    assert len(md.take_changes().deleted_keys) == 500
+    assert len(md.snapshots.take_changes().deleted_keys) == 500
 
 
 def test_a_restoring_node_serves_misses_and_takes_no_new_writes() -> None:
     md = core(FakeClock())
-    md.restore_slice = 5
+    md.snapshots.restore_slice = 5
     rows = [
         EntryRow(KEYS[i], "m1", 1, 4096, SUM, i * 4096, 4096, True, False, 0, 1.0)
         for i in range(40)
     ]
-    md.restore([NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")], rows[::-1])
+    md.snapshots.restore([NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")], rows[::-1])
     md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])  # kept its buffer
-    assert (md.restoring and not md.restore_step()) or md.restoring  # waits for the slab
+    assert (
+        md.snapshots.restoring and not md.snapshots.restore_step()
+    ) or md.snapshots.restoring  # waits for the slab
     assert md.get(KEYS[0]) is None  # nothing comes back before its bytes are confirmed
     assert confirm_all(md, "m1", 1) == 40
-    md.restore_step()  # one slice: the first 5 by address
+    md.snapshots.restore_step()  # one slice: the first 5 by address
     hits, _ = lookup(md, KEYS[:40], take_lease=False)
     assert [e.key for e in hits] == KEYS[:5]  # the rest misses for now
     results, _ = allocate(md, [(KEYS[50], 4096)])
     assert results[0].status is AllocStatus.NO_SPACE  # the only node is restoring
     assert all(md.get(k) is None for k in KEYS[5:40])
-    batch = md.take_changes()
+    batch = md.snapshots.take_changes()
     assert not set(batch.deleted_keys) & set(KEYS[:40])  # not-yet-restored rows stay stored
-    while md.restore_step(3):
+    while md.snapshots.restore_step(3):
         pass
-    assert not md.restoring
+    assert not md.snapshots.restoring
     hits, _ = lookup(md, KEYS[:40], take_lease=False)
     assert [e.offset for e in hits] == [i * 4096 for i in range(40)]
     results, _ = allocate(md, [(KEYS[50], 4096)])
@@ -187,13 +189,13 @@ def test_a_restoring_node_serves_misses_and_takes_no_new_writes() -> None:
 
 def test_a_node_that_dies_while_restoring_gives_up_the_rest() -> None:
     md = core(FakeClock())
-    md.restore_slice = 5
+    md.snapshots.restore_slice = 5
     rows = [
         EntryRow(KEYS[i], "m1", 1, 4096, SUM, i * 4096, 4096, True, False, 0, 1.0)
         for i in range(20)
     ]
-    md.restore([NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")], rows)
+    md.snapshots.restore([NodeRow("m1", 1, "127.0.0.1:1", 1 << 30, 0, "", "h", "tcp")], rows)
     md.register("m1", 1, "127.0.0.1:1", 1 << 30, "", "h", ["tcp"])
     assert md.unregister("m1", 1)
-    assert not md.restore_step()
-    assert sorted(md.take_changes().deleted_keys) == sorted(KEYS[:20])
+    assert not md.snapshots.restore_step()
+    assert sorted(md.snapshots.take_changes().deleted_keys) == sorted(KEYS[:20])

@@ -75,20 +75,22 @@ def test_restored_memory_rows_keep_only_what_the_slab_confirms() -> None:
         EntryRow(f"{i:032x}", "n", 7, size, sums[i], i * CHUNK, CHUNK, True, False, 0, 1.0)
         for i in range(4)
     ]
-    md.restore([node_row], rows)
+    md.snapshots.restore([node_row], rows)
     md.register("n", 7, "n:1", 8 * CHUNK, "", "h", ["tcp"])
-    assert md.restore_step() and md.restoring  # waiting for the slab: nothing restored yet
+    assert (
+        md.snapshots.restore_step() and md.snapshots.restoring
+    )  # waiting for the slab: nothing restored yet
     assert md.get(rows[0].key) is None
-    checks = md.confirm("n", 7, [])
+    checks = md.snapshots.confirm("n", 7, [])
     assert checks == [(i * CHUNK, size, sums[i]) for i in range(4)]  # the payloads to hash
     # the slab hashed them: extents 1 and 3 were rewritten by other entries since
     held = [(o, c, o // CHUNK in (0, 2)) for o, _, c in checks]
-    assert md.confirm("n", 7, held) == []
-    while md.restoring:
-        md.restore_step()
+    assert md.snapshots.confirm("n", 7, held) == []
+    while md.snapshots.restoring:
+        md.snapshots.restore_step()
     kept = [md.get(r.key) is not None for r in rows]
     assert kept == [True, False, True, False]
-    assert md.stats()["keys_memory"] == 2
+    assert md.views.stats()["keys_memory"] == 2
 
 
 def test_a_slab_that_never_confirms_keeps_no_memory_copy() -> None:
@@ -96,9 +98,9 @@ def test_a_slab_that_never_confirms_keeps_no_memory_copy() -> None:
     md = Metadata(5.0, 30.0, 3.0, clock=clock, rng=random.Random(0))
     node_row = NodeRow("n", 7, "n:1", 8 * CHUNK, 0, "", "h", "tcp")
     row = EntryRow("ab" * 16, "n", 7, CHUNK, SUM, 0, CHUNK, True, False, 0, 1.0)
-    md.restore([node_row], [row])
+    md.snapshots.restore([node_row], [row])
     md.register("n", 7, "n:1", 8 * CHUNK, "", "h", ["tcp"])
     clock.now += 11.0  # past the confirmation timeout
-    while md.restoring:
-        md.restore_step()
+    while md.snapshots.restoring:
+        md.snapshots.restore_step()
     assert md.get(row.key) is None

@@ -70,7 +70,7 @@ def test_each_tenant_is_counted_apart() -> None:
     assert store(md, "b", [b]) == [AllocStatus.ALLOCATED]  # the same client key: its own entry
     hits, _ = lookup(md, [a, ident("a", key(2))], tenant="a")
     assert [e.key for e in hits] == [a] and md.get(a) is not md.get(b)
-    views = md.tenant_views()
+    views = md.views.tenant_views()
     assert views["a"] == {
         "lookups": 1,
         "hits": 1,
@@ -83,7 +83,7 @@ def test_each_tenant_is_counted_apart() -> None:
         "bytes_writing": 0,
     }
     assert views["b"]["lookups"] == 0 and views["b"]["bytes_memory"] == CHUNK
-    assert md.delete(b) and md.tenant_views()["b"]["keys_memory"] == 0
+    assert md.delete(b) and md.views.tenant_views()["b"]["keys_memory"] == 0
 
 
 def test_a_quota_evicts_the_tenants_own_oldest_entries_first() -> None:
@@ -98,7 +98,7 @@ def test_a_quota_evicts_the_tenants_own_oldest_entries_first() -> None:
     assert md.get(mine[0]) is not None  # leased: kept
     assert md.get(mine[1]) is None and md.get(mine[2]) is None  # the next oldest went
     assert all(md.get(k) is not None for k in others)  # nobody else's
-    assert md.tenant_views()["a"]["bytes_memory"] == 3 * CHUNK
+    assert md.views.tenant_views()["a"]["bytes_memory"] == 3 * CHUNK
     assert md.counters.evictions == 2
     # a batch bigger than the quota keeps its head (its own entries are protected)
     assert store(md, "a", [ident("a", key(i)) for i in range(10, 14)]) == (
@@ -118,5 +118,5 @@ def test_a_quota_that_cannot_be_met_evicts_nothing() -> None:
     results, _ = allocate(md, [(ident("a", key(9)), 2 * CHUNK)], tenant="a")
     assert [r.status for r in results] == [AllocStatus.NO_SPACE]
     assert md.get(free) is not None and md.counters.evictions == 0
-    assert md.tenant_views()["a"]["bytes_memory"] == 3 * CHUNK
+    assert md.views.tenant_views()["a"]["bytes_memory"] == 3 * CHUNK
     assert lease is not None

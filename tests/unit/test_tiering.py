@@ -88,7 +88,7 @@ def ops(orders: list[Order]) -> list[tuple[str, str]]:
 
 
 def tiers(md: Metadata, k: str) -> list[str]:
-    view = md.describe(k)
+    view = md.views.describe(k)
     assert view is not None
     return view["tiers"]  # type: ignore[no-any-return]
 
@@ -166,8 +166,8 @@ def test_offload_takes_lru_entries_tail_of_a_prefix_first() -> None:
         e = md.get(o.key)
         assert e is not None and o == order_for(e, "offload")
         assert e.offloading and e.in_memory and not e.on_disk
-        assert md.describe(e.key)["offloading"] is True  # type: ignore[index]
-    assert d.offloading_bytes == 4 * CHUNK and md.stats()["bytes_offloading"] == 4 * CHUNK
+        assert md.views.describe(e.key)["offloading"] is True  # type: ignore[index]
+    assert d.offloading_bytes == 4 * CHUNK and md.views.stats()["bytes_offloading"] == 4 * CHUNK
     # orders in flight count as done: planning again asks for nothing more
     assert md.plan_tiering() == [] and d.orders == []
 
@@ -234,7 +234,7 @@ def test_nodes_without_a_disk_still_evict() -> None:
     assert p.allocator.used == p.capacity
     assert md.counters.evictions == 7
     assert len(d.lru) == 9 and all(e.node is d for e in d.lru.values())
-    assert md.stats()["keys_memory"] == 13
+    assert md.views.stats()["keys_memory"] == 13
 
 
 def test_writes_placed_elsewhere_leave_no_offload_pressure_behind() -> None:
@@ -278,7 +278,7 @@ def test_offload_done_ok_leaves_the_entry_on_disk_only() -> None:
     assert K[0] not in d.lru and list(d.disk_lru) == [K[0]]
     assert d.allocator.used == 8 * CHUNK and d.disk_used == FILE and d.offloading_bytes == 0
     assert tiers(md, K[0]) == ["disk"]
-    stats = md.stats()
+    stats = md.views.stats()
     assert (stats["keys_memory"], stats["bytes_memory"]) == (8, 8 * CHUNK)
     assert (stats["keys_disk"], stats["bytes_disk"], stats["capacity_disk"]) == (1, FILE, 20 * FILE)
     assert (stats["offloads"], stats["offload_bytes"], stats["bytes_offloading"]) == (1, CHUNK, 0)
@@ -289,7 +289,7 @@ def test_offload_done_ok_leaves_the_entry_on_disk_only() -> None:
     hits, lease = lookup(md, [K[0]], take_lease=False)
     assert hits == [e] and lease is None
     assert not e.reloading and d.orders == [] and d.allocator.used == 8 * CHUNK
-    assert md.stats()["hits_disk"] == 1 and md.stats()["hits_memory"] == 0
+    assert md.views.stats()["hits_disk"] == 1 and md.views.stats()["hits_memory"] == 0
 
 
 def test_leased_entry_keeps_its_memory_copy_until_the_next_plan() -> None:
@@ -354,7 +354,7 @@ def test_offload_disk_full_degrades_to_eviction() -> None:
     assert not k1.offloading and k1.readers == 1
     assert md.counters.evictions == 1 and d.offloading_bytes == 0
     assert md.counters.tier_failures == {"offload_disk_full": 2}
-    assert md.stats()["tier_failures"] == 2
+    assert md.views.stats()["tier_failures"] == 2
     assert d.orders == [] and d.disk_used == 0  # no file was written, none to delete
     assert md.release([lease]).released == 1
 
@@ -391,13 +391,13 @@ def test_disk_hit_reloads_into_the_same_node() -> None:
     assert order == order_for(x, "reload") and order.node == "d1"
     assert md.take_orders("d2") == [] and md.take_orders("p1") == []
     assert d1.reloads == {x.gen: x}
-    view = md.describe(X)
+    view = md.views.describe(X)
     assert view is not None and view["tiers"] == ["disk"] and view["reloading"] is True
-    assert md.stats()["lookups"] == 0  # nothing is counted before the answer is final
+    assert md.views.stats()["lookups"] == 0  # nothing is counted before the answer is final
     answer(md, [order])
     finish_lookup(md, op)
     assert op.served == [x] and not op.more and x.readers == 1
-    stats = md.stats()
+    stats = md.views.stats()
     assert (stats["lookups"], stats["hits"], stats["hits_disk"], stats["hits_memory"]) == (
         1,
         1,
@@ -444,7 +444,7 @@ def test_concurrent_lookups_share_one_reload() -> None:
     assert x.readers == 2 and md.read_leases[l1].served == [x]
     assert tiers(md, X) == ["memory", "disk"] and not x.reloading and d.reloads == {}
     assert list(d.lru) == [] and d.keys_memory == 1 and d.ready_bytes == CHUNK  # read: held
-    stats = md.stats()
+    stats = md.views.stats()
     assert (stats["reloads"], stats["reload_bytes"], stats["hits_disk"]) == (1, CHUNK, 2)
     assert (stats["keys_memory"], stats["keys_disk"]) == (1, 1)
     md.release([l1, l2])
@@ -478,7 +478,7 @@ def test_reload_checksum_failure_drops_the_entry_and_ends_the_stream() -> None:
     # was its lease (the reader's release finds nothing)
     assert md.release([first.lease]).released == 0
     assert x.readers == 0 and d.allocator.used == 2 * CHUNK  # X's extent is free
-    stats = md.stats()
+    stats = md.views.stats()
     assert (stats["hits"], stats["misses"], stats["keys_disk"], stats["bytes_disk"]) == (1, 2, 0, 0)
 
 
@@ -491,7 +491,7 @@ def test_a_failed_reload_is_counted_once_as_misses() -> None:
     (order,) = md.take_orders("d1")
     md.reload_done("d1", X, order.gen, False, "checksum")
     assert finish_lookup(md, op).served == [] and op.lease is None
-    stats = md.stats()  # never counted as hits first, then taken back
+    stats = md.views.stats()  # never counted as hits first, then taken back
     assert (stats["lookups"], stats["hits"], stats["misses"]) == (1, 0, 2)
     assert (stats["hits_disk"], stats["hits_memory"]) == (0, 0)
     assert md.get(K[1]).readers == 0  # type: ignore[union-attr]
@@ -630,7 +630,7 @@ def test_disk_lru_deletes_the_oldest_files_above_disk_high() -> None:
     assert tiers(md, K[0]) == ["memory"]  # lost its file, kept its memory copy
     assert md.get(files[1]) is None and md.get(files[2]) is None  # disk-only: gone
     assert tiers(md, files[0]) == ["disk"]
-    stats = md.stats()
+    stats = md.views.stats()
     assert (stats["keys_disk"], stats["bytes_disk"], stats["disk_evictions"]) == (9, 9 * FILE, 3)
     assert md.plan_tiering() == []  # below the watermark now
 
@@ -680,7 +680,7 @@ def test_delete_of_disk_entries_queues_file_deletes() -> None:
     (x,) = adopt(md, d, [X])
     assert md.delete(X)
     assert md.take_orders("d1") == [order_for(x, "delete")]
-    assert d.disk_used == 0 and md.stats()["keys_disk"] == 0
+    assert d.disk_used == 0 and md.views.stats()["keys_disk"] == 0
     # memory and disk: the file goes and the memory is free at once
     fill(md, K[:9])
     md.plan_tiering()
@@ -722,7 +722,7 @@ def test_dropped_offloading_entry_has_its_file_deleted_when_the_offload_reports(
     assert d.offloading_bytes == 0 and d.orders == []  # no file yet
     md.offload_done("d1", K[0], order.gen, True, file_bytes=FILE)
     assert ops(md.take_orders("d1")) == [("delete", K[0])]
-    assert d.disk_used == 0 and md.counters.offloads == 0 and md.stats()["keys_disk"] == 0
+    assert d.disk_used == 0 and md.counters.offloads == 0 and md.views.stats()["keys_disk"] == 0
     # a failed offload of a dropped entry left no file behind: nothing to delete
     store(md, [K[0]])
     md.plan_tiering()
@@ -779,7 +779,7 @@ def test_node_death_drops_everything_without_orders() -> None:
     assert md.get(X) is None and md.get(Y) is None
     assert all(md.get(o.key) is None for o in offloads)
     assert md.counters.entries_lost == lost
-    stats = md.stats()
+    stats = md.views.stats()
     assert stats["keys_disk"] == len(other.disk_lru) == 4
     assert stats["bytes_disk"] == other.disk_used == 4 * FILE
     # late answers of the dead incarnation change nothing
@@ -837,7 +837,7 @@ def test_adopt() -> None:
     assert d.disk_used == 4 * FILE and other.disk_used == 0
     # reported again (a retry): nothing is counted twice
     assert md.adopt("d1", 1, files[:3]) == []
-    assert d.disk_used == 4 * FILE and md.stats()["keys_disk"] == 3
+    assert d.disk_used == 4 * FILE and md.views.stats()["keys_disk"] == 3
     assert lookup(md, [X, Y], take_lease=False)[0] == [x, y]
 
 

@@ -623,7 +623,7 @@ class TieringMachine(RuleBasedStateMachine):
     @invariant()
     def stats_match_the_nodes(self) -> None:
         alive = [n for n in self.md.nodes.values() if n.alive]
-        stats = self.md.stats()
+        stats = self.md.views.stats()
         assert stats["keys_memory"] == sum(n.keys_memory for n in alive)
         assert stats["bytes_memory"] == sum(n.ready_bytes for n in alive)
         assert stats["keys_disk"] == sum(len(n.disk_lru) for n in alive)

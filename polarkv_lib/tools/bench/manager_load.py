@@ -289,13 +289,14 @@ async def _measure_table(
             leased.notes.append(
                 f"p50 {leased.percentile(0.5) / unleased.percentile(0.5):.2f}x the unleased one's"
             )
-        # The restart's probe: committed last, so resident; then one write-behind interval
-        # and more, so the store has it before the manager is stopped.
+        # The restart's probe: committed last, so resident; then a write-behind round that
+        # began after it is written, so the store has it before the manager is stopped.
         first = next(fresh)
         probe = [_key(i) for i in range(first, first + BATCH)]
         if await _allocate_commit(driver, url, probe, plan.size) != BATCH:
             raise core.BenchError("the restart probe could not be stored")
-        await asyncio.sleep(FLUSH_WAIT_S)
+        admin = AdminClient(url, timeout=REQUEST_TIMEOUT)
+        await asyncio.to_thread(admin.wait_flushed, FLUSH_WAIT_S)
         return probe[0]
 
 

@@ -17,7 +17,7 @@ REQUEST_TIMEOUT = 60.0
 SERVICE_TIMEOUT = 600.0  # start and stop of a manager with a million entries
 RESTORE_TIMEOUT = 600.0
 POLL_S = 0.02
-FLUSH_WAIT_S = 1.0  # > manager.metadata_flush (200 ms by default)
+FLUSH_WAIT_S = 30.0  # most to wait for a write-behind round (every 200 ms by default)
 STABLE_S = 5.0  # a restore that has not grown for this long is over, complete or not
 LEASED = 0.9  # of a full node's entries, held under read leases in the leased row
 
