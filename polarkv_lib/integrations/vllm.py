@@ -7,7 +7,9 @@
         "kv_connector_extra_config": {"manager_url": "http://127.0.0.1:8170"}}'
 
 docs/ENGINES.md describes it: settings, chunks, namespace, the chunk byte format
-("pages-v1"), when transfers happen, and what a fault does (always a miss).
+("pages-v1"), when transfers happen (loads asynchronous by default, or synchronous:
+`"load_mode": "sync"`), and what a fault does (always a miss). Setup and counters are
+in vllm_setup.py, loads in vllm_loads.py, the page view and saver in vllm_pages.py.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from polarkv_lib.integrations.vllm import ConnectorStats, LoadOp
 
 log = logging.getLogger("polarkv.integrations.vllm")
+_counting = threading.Lock()  # the loading threads add to one ConnectorStats
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,10 @@ def load_into_pages(
     usable = max(0, min(len(op.block_ids), loaded * per_chunk - op.first_block))
     if usable:
         _scatter(target, host, chunks, op, usable)
-    stats.loaded_chunks += loaded
-    stats.loaded_tokens += usable * (ct // per_chunk)
-    stats.load_seconds += time.monotonic() - started
+    with _counting:
+        stats.loaded_chunks += loaded
+        stats.loaded_tokens += usable * (ct // per_chunk)
+        stats.load_seconds += time.monotonic() - started
     return list(op.block_ids[usable:])
 
 

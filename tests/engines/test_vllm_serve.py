@@ -51,8 +51,8 @@ class Setup:
     polarkv: PolarKV
     polarkv_port: int
     plain: VllmServer  # vLLM alone: the reference tokens
-    a: VllmServer
-    b: VllmServer
+    a: VllmServer  # loads synchronously
+    b: VllmServer  # loads asynchronously (the default), as the others do
     unreachable: VllmServer  # its PolarKV URL answers nothing
     hybrid: PolarKV  # little memory and a disk tier
     writer: VllmServer  # on `hybrid`: stores the sessions' prefixes
@@ -74,8 +74,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     )
     dead = f"http://127.0.0.1:{free_port()}"
 
-    def server(name: str, manager: str | None) -> VllmServer:
-        transfer = kv_transfer_config(manager, timeout=2.0) if manager else None
+    def server(name: str, manager: str | None, load_mode: str = "async") -> VllmServer:
+        # Six servers share two cores here: the scheduler's lookup gets a second (not the
+        # default 0.2 s) so that a busy box does not turn the tests' hits into misses.
+        transfer = (
+            kv_transfer_config(manager, timeout=2.0, lookup_timeout=1.0, load_mode=load_mode)
+            if manager
+            else None
+        )
         return VllmServer(
             python=sys.executable,
             model=model,
@@ -88,7 +94,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
     servers = [
         server("plain", None),
-        server("a", url),
+        server("a", url, load_mode="sync"),
         server("b", url),
         server("unreachable", dead),
         server("writer", hybrid.manager_url),
@@ -149,6 +155,13 @@ def test_second_instance_loads_the_prefix_from_polarkv(setup: Setup) -> None:
     hits = setup.b.external_hits()[1]
     assert setup.b.complete(prefix[:CHUNK], GEN) == setup.plain.complete(prefix[:CHUNK], GEN)
     assert setup.b.external_hits()[1] == hits
+
+    # A (no prefix cache of its own) loads the same prefix synchronously: the same tokens.
+    a_hits = setup.a.external_hits()[1]
+    assert setup.a.complete(prompt, GEN) == expected
+    assert setup.a.external_hits()[1] - a_hits == PREFIX
+    # PolarKV's figures reach vLLM's own connector statistics, logged beside its others.
+    wait_for(lambda: "polarkv_loaded_tokens=" in setup.b.log_text(), timeout=60)
     for server in (setup.a, setup.b):
         assert_clean_log(server)
 
