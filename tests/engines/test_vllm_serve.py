@@ -30,7 +30,7 @@ except importlib.metadata.PackageNotFoundError:
     )
 
 # Starting four servers on two cores takes minutes; each test is bounded here instead.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)
 
 SPEC = TinyLlama(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=4096)
 CHUNK = 256  # the connector's default for vLLM's 128-token CPU blocks
@@ -104,7 +104,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         for s in servers:
             s.start()
         for s in servers:
-            s.wait_ready()
+            s.wait_ready(timeout=900)  # six cold starts at once on a busy two-core box
         yield Setup(polarkv, port, *servers[:4], hybrid, *servers[4:])
     finally:
         for s in servers:
