@@ -196,7 +196,7 @@ def _measure(
             if isinstance(result, BaseException):
                 raise core.BenchError(f"{config}: an arriving request failed: {result!r}")
             cell.ttft.append(result[0])
-            cell.wrong += expected[tuple(prompt)] != result[2]
+            cell.wrong += expected.setdefault(tuple(prompt), result[2]) != result[2]
     for t in threads:
         t.join(900)
     for i, (prompt, out) in enumerate(zip(streams, outputs, strict=True)):
