@@ -16,7 +16,8 @@ prefixes are reloaded from disk. Reported per configuration: the streams' inter-
 gaps (p50, p99, max) while the arrivals are served (for `vllm`, over a window as long as
 the arrivals' interval times K, plus a second), the arrivals' TTFT (for `vllm`: the
 same prompts computed afterwards, one at a time), vLLM's external hit tokens, and how
-many requests' tokens differ from vLLM alone's (greedy).
+many requests' tokens differ from vLLM alone's (greedy; without `vllm` in --configs,
+from the first configuration's).
 """
 
 from __future__ import annotations
