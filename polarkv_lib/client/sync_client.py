@@ -73,16 +73,17 @@ class PolarKVClient:
     def stats(self) -> ClientStats:
         return self._client.stats
 
-    def _run(self, coro: Coroutine[Any, Any, T], miss: T) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T], miss: T, within: float | None = None) -> T:
         if self._closed:
             coro.close()
             raise ValueError("client is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result(self._client.timeout + 5.0)
+            return future.result(within if within is not None else self._client.timeout + 5.0)
         except concurrent.futures.TimeoutError:
             # The async call bounds itself; this only fires if the client's own loop
-            # thread is starved. Still a miss for the caller, never an exception.
+            # thread is starved, or past a caller's own bound (`within`). Still a miss
+            # for the caller, never an exception.
             future.cancel()
             self._client.stats.faults += 1
             self._client.stats.timeouts += 1
@@ -104,8 +105,10 @@ class PolarKVClient:
     ) -> tuple[int, list[memoryview]]:
         return self._run(self._client.load_kv(tokens, out), (0, []))
 
-    def lookup_kv(self, tokens: Any) -> int:
-        return self._run(self._client.lookup_kv(tokens), 0)
+    def lookup_kv(self, tokens: Any, within: float | None = None) -> int:
+        """`within`: a hard bound in seconds for this call (a scheduler's loop); past it
+        the call is cancelled and answers 0."""
+        return self._run(self._client.lookup_kv(tokens), 0, within)
 
     def put(self, key: str, data: BufferLike) -> bool:
         return self._run(self._client.put(key, data), False)

@@ -7,13 +7,14 @@
         "kv_connector_extra_config": {"manager_url": "http://127.0.0.1:8170"}}'
 
 docs/ENGINES.md describes it: settings, chunks, namespace, the chunk byte format
-("pages-v1"), when transfers happen, and what a fault does (always a miss).
+("pages-v1"), when transfers happen (loads asynchronous by default, or synchronous:
+`"load_mode": "sync"`), and what a fault does (always a miss). Setup and counters are
+in vllm_setup.py, loads in vllm_loads.py, the page view and saver in vllm_pages.py.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,22 +24,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 from polarkv_lib.client import PolarKVClient
-from polarkv_lib.integrations.common import (
-    AdapterSettings,
-    make_client,
-    namespace,
-    settings_from_extra,
+from polarkv_lib.integrations.common import make_client, settings_from_extra
+from polarkv_lib.integrations.vllm_loads import Loader, PageTarget, load_into_pages
+from polarkv_lib.integrations.vllm_pages import Saver, page_view
+from polarkv_lib.integrations.vllm_setup import (
+    CHUNK_FORMAT,
+    ConnectorStats,
+    PolarKVStats,
+    StatsInterval,
+    chunk_tokens_for,
+    connector_namespace,
+    options_from_extra,
+    page_geometry,
 )
-from polarkv_lib.integrations.vllm_pages import PageGeometry, Saver, page_view
+
+__all__ = ["CHUNK_FORMAT", "ConnectorStats", "PolarKVConnector"]
 
 log = logging.getLogger("polarkv.integrations.vllm")
-
-CHUNK_FORMAT = "pages-v1"
-MIN_DEFAULT_CHUNK_TOKENS = 256
-SCHEDULER_LOOKUP_TIMEOUT = 0.5  # seconds: the scheduler loop is single-threaded
 
 
 # -- metadata: scheduler -> workers ------------------------------------------------------
@@ -72,122 +76,6 @@ class PolarKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[SaveOp] = field(default_factory=list)
 
 
-@dataclass
-class ConnectorStats:
-    """Counters of one connector (scheduler or worker), for logs and tests."""
-
-    lookups: int = 0
-    hit_tokens: int = 0
-    loaded_chunks: int = 0
-    failed_load_blocks: int = 0
-    saved_chunks: int = 0
-    failed_saves: int = 0
-    dropped_saves: int = 0
-
-
-# -- geometry and namespace (both roles, from the config alone) ---------------------------
-
-
-def _natural_key(name: str) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def _geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[PageGeometry | None, str]:
-    """The page geometry, or None and why the connector cannot serve this model."""
-    parallel = vllm_config.parallel_config
-    if (
-        getattr(parallel, "decode_context_parallel_size", 1) > 1
-        or getattr(parallel, "prefill_context_parallel_size", 1) > 1
-    ):
-        return None, "context parallelism shards a block's tokens across ranks"
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) != 1:
-        return (
-            None,
-            f"{len(groups)} KV cache groups (only one group of attention layers is supported)",
-        )
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        return None, f"KV cache spec {type(spec).__name__} is not attention"
-    if spec.tokens_per_state != 1:
-        return None, "compressed KV (tokens_per_state != 1)"
-    return PageGeometry(
-        block_size=int(spec.block_size),
-        num_heads=int(spec.num_heads),
-        content_bytes=int(spec.state_content_size_bytes),
-        layers=tuple(sorted(groups[0].layer_names, key=_natural_key)),
-    ), ""
-
-
-def _chunk_tokens(settings: AdapterSettings, block_size: int) -> int:
-    if settings.chunk_tokens is None:
-        return -(-MIN_DEFAULT_CHUNK_TOKENS // block_size) * block_size
-    if settings.chunk_tokens % block_size:
-        raise ValueError(
-            f"PolarKV: 'chunk_tokens' ({settings.chunk_tokens}) must be a multiple "
-            f"of the KV cache block size ({block_size})"
-        )
-    return settings.chunk_tokens
-
-
-def _parallel_ranks(vllm_config: Any, role: Any) -> tuple[int, int, int, int]:
-    """(tp_rank, tp_size, pp_rank, pp_size); the scheduler speaks for rank 0."""
-    parallel = vllm_config.parallel_config
-    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
-    if role != KVConnectorRole.WORKER:
-        return 0, tp, 0, pp
-    try:
-        from vllm.distributed import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            return (
-                parallel_state.get_tensor_model_parallel_rank(),
-                tp,
-                parallel_state.get_pp_group().rank_in_group,
-                pp,
-            )
-    except Exception:  # not initialised (e.g. a bare worker in tests): use the config
-        pass
-    rank = int(getattr(parallel, "rank", 0))
-    return rank % tp, tp, (rank // tp) % pp, pp
-
-
-def _namespace(
-    settings: AdapterSettings,
-    vllm_config: Any,
-    kv_cache_config: Any,
-    geometry: PageGeometry,
-    chunk_tokens: int,
-    role: Any,
-) -> str:
-    from vllm.platforms import current_platform
-
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    dtype = str(spec.dtype).removeprefix("torch.")
-    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    if cache_dtype != "auto":
-        dtype = f"{dtype}-{cache_dtype}"
-    layout = (
-        getattr(kv_cache_config, "kv_cache_layout", None)
-        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
-        or "unresolved"
-    )
-    tp_rank, tp, pp_rank, pp = _parallel_ranks(vllm_config, role)
-    return namespace(
-        settings,
-        "vllm",
-        CHUNK_FORMAT,
-        vllm_config.model_config.model,
-        dtype,
-        layout,
-        f"b{geometry.block_size}-h{geometry.num_heads}-c{geometry.content_bytes}",
-        current_platform.device_type,
-        f"tp{tp_rank}of{tp}",
-        f"pp{pp_rank}of{pp}",
-        f"chunk{chunk_tokens}",
-    )
-
-
 # -- the connector -------------------------------------------------------------------------
 
 
@@ -205,11 +93,14 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.settings = settings_from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.settings = settings_from_extra(extra)
+        self.options = options_from_extra(extra)
         self.stats = ConnectorStats()
+        self._interval = StatsInterval(self.stats)
         self._load_enabled = bool(self._kv_transfer_config.is_kv_consumer)
         self._save_enabled = bool(self._kv_transfer_config.is_kv_producer)
-        geometry, why = _geometry(vllm_config, kv_cache_config)
+        geometry, why = page_geometry(vllm_config, kv_cache_config)
         self._geometry = geometry
         self._client: PolarKVClient | None = None
         self._saver: Saver | None = None
@@ -218,22 +109,26 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit tokens)
+        self._hits: dict[str, int] = {}  # req_id -> PolarKV's answer, asked once a request
         self._pending_loads: list[LoadOp] = []
         # worker side
         self._pages: list[Any] = []
         self._device: Any = None
+        self._target: PageTarget | None = None
+        self._loader: Loader | None = None
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()  # requests whose load failed in this step
         if geometry is None:
             log.warning("PolarKVConnector disabled: %s", why)
             return
-        self.chunk_tokens = _chunk_tokens(self.settings, geometry.block_size)
-        self.namespace = _namespace(
+        self.chunk_tokens = chunk_tokens_for(self.settings, geometry.block_size)
+        self.namespace = connector_namespace(
             self.settings, vllm_config, kv_cache_config, geometry, self.chunk_tokens, role
         )
         settings = self.settings
         if role == KVConnectorRole.SCHEDULER:
-            settings = replace(settings, timeout=min(settings.timeout, SCHEDULER_LOOKUP_TIMEOUT))
+            # The scheduler's loop is single-threaded: a lookup gets lookup_timeout at most.
+            settings = replace(settings, timeout=min(settings.timeout, self.options.lookup_timeout))
         self._client = make_client(settings, self.namespace, self.chunk_tokens)
         if (
             self._kv_transfer_config.kv_load_failure_policy != "recompute"
@@ -246,10 +141,11 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._kv_transfer_config.kv_load_failure_policy,
             )
         log.info(
-            "PolarKVConnector (%s): %s, %d-token chunks, namespace %s",
+            "PolarKVConnector (%s): %s, %d-token chunks, %s loads, namespace %s",
             role.name.lower(),
             settings.manager_url,
             self.chunk_tokens,
+            self.options.load_mode,
             self.namespace,
         )
 
@@ -266,7 +162,14 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._geometry is not None
         return self.chunk_tokens // self._geometry.block_size
 
+    @property
+    def asynchronous(self) -> bool:
+        return self.options.load_mode == "async"
+
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close(self.settings.timeout + 5.0)
+            self._loader = None
         if self._saver is not None:
             self._saver.close(self.settings.timeout + 5.0)
             self._saver = None
@@ -306,10 +209,31 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # were saved when this engine computed (or loaded) them.
             self._lookups[request.request_id] = (num_computed_tokens, num_computed_tokens)
             return 0, False
-        self.stats.lookups += 1
-        hit = self._client.lookup_kv(prompt[:limit])  # no lease, no transfer
+        hit = self._hits.get(request.request_id)
+        if hit is None:
+            hit = self._hits[request.request_id] = self._lookup(prompt[:limit])
+        else:  # asked again (no room last step, or preempted): the first answer stands
+            self.stats.lookups_reused += 1
+        hit = min(hit, limit)
         self._lookups[request.request_id] = (num_computed_tokens, hit)
-        return max(0, hit - num_computed_tokens), False
+        new = max(0, hit - num_computed_tokens)
+        return new, new > 0 and self.asynchronous
+
+    def _lookup(self, tokens: list[int]) -> int:
+        """PolarKV's hit for `tokens` (no lease, no transfer), bounded by lookup_timeout:
+        a slow or dead manager costs the scheduler that much at most, and is a miss."""
+        assert self._client is not None
+        self.stats.lookups += 1
+        faults = self._client.stats.faults
+        try:
+            hit = self._client.lookup_kv(tokens, within=self.options.lookup_timeout)
+        except Exception as exc:  # a closed client: the engine never sees our faults
+            log.warning("PolarKV lookup became a miss: %r", exc)
+            hit = 0
+            self._client.stats.faults += 1
+        if self._client.stats.faults != faults:
+            self.stats.lookup_faults += 1
+        return hit
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._client is None or not self._cacheable(request):
@@ -412,15 +336,21 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked.saved_chunks = full
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Chunks whose load failed are recomputed by vLLM: save them again afterwards."""
+        """Chunks whose load failed are recomputed by vLLM: save them again afterwards,
+        and never offer them to the request again (a load that failed whole leaves it
+        with no computed tokens, so vLLM asks for it anew: it must get a miss, not the
+        same failing load over and over)."""
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if not invalid or self._geometry is None:
             return
         per_chunk = self._blocks_per_chunk
-        for tracked in self._tracked.values():
+        for req_id, tracked in self._tracked.items():
             for position, block_id in enumerate(tracked.block_ids):
                 if block_id in invalid:
-                    tracked.saved_chunks = min(tracked.saved_chunks, position // per_chunk)
+                    chunk = position // per_chunk
+                    tracked.saved_chunks = min(tracked.saved_chunks, chunk)
+                    if req_id in self._hits:
+                        self._hits[req_id] = min(self._hits[req_id], chunk * self.chunk_tokens)
                     break
 
     def request_finished(
@@ -428,7 +358,11 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        return False, None  # saves copy their blocks in the step that computed them
+        self._hits.pop(request.request_id, None)
+        # Saves copy their blocks in the step that computed them. A request finished or
+        # aborted while loading asynchronously keeps its blocks anyway: vLLM frees them
+        # only once the worker reports the load ended (get_finished).
+        return False, None
 
     # -- worker side ------------------------------------------------------------------
 
@@ -441,26 +375,35 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError(f"PolarKV: no KV cache registered for layers {missing[:3]}")
         self._pages = [page_view(kv_caches[name], self._geometry) for name in self._geometry.layers]
         self._device = kv_caches[self._geometry.layers[0]].device
+        self._target = PageTarget(
+            self._pages, self._device, self.chunk_tokens, self._blocks_per_chunk, self.chunk_bytes
+        )
         if self._client is not None and self._saver is None:
             self._saver = Saver(self._client, self.stats)
+        if self._client is not None and self._loader is None and self.asynchronous:
+            self._loader = Loader(self._client, self._target, self.stats, self.options.load_threads)
 
     @property
     def chunk_bytes(self) -> int:
         assert self._geometry is not None
         return len(self._geometry.layers) * self._blocks_per_chunk * self._geometry.page_bytes
 
-    def _host_buffer(self, chunks: int) -> Any:
-        pin = self._device is not None and self._device.type == "cuda"
-        return torch.empty((chunks, self.chunk_bytes), dtype=torch.uint8, pin_memory=pin)
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Asynchronous mode: hand each load to the loader and return (vLLM calls this
+        after launching the forward pass). Synchronous mode: load before the forward."""
         self._failed_reqs = set()
         meta = self._connector_metadata
         if not isinstance(meta, PolarKVConnectorMetadata) or not meta.loads:
             return
         for op in meta.loads:
+            self.stats.loads += 1
+            if self._loader is not None:
+                self._loader.submit(op)
+                continue
             try:
-                failed = self._load(op)
+                if self._client is None or self._target is None:
+                    raise RuntimeError("no client or no KV caches registered")
+                failed = load_into_pages(self._client, self._target, op, self.stats)
             except Exception as exc:  # the engine never sees a PolarKV fault
                 log.warning("PolarKV load of request %s failed: %r", op.req_id, exc)
                 failed = list(op.block_ids)
@@ -469,38 +412,18 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._load_errors.update(failed)
                 self.stats.failed_load_blocks += len(failed)
 
-    def _load(self, op: LoadOp) -> list[int]:
-        """Load one request's chunks and scatter them; returns the blocks not filled."""
-        if self._client is None or not self._pages or not op.block_ids:
-            return list(op.block_ids)
-        chunks = len(op.tokens) // self.chunk_tokens
-        host = self._host_buffer(chunks)
-        data = host.numpy()
-        n_tokens, views = self._client.load_kv(
-            op.tokens, [memoryview(data[i]) for i in range(chunks)]
-        )
-        loaded = n_tokens // self.chunk_tokens
-        # A chunk of another size cannot be this format: it ends the usable prefix.
-        loaded = next(
-            (i for i, v in enumerate(views[:loaded]) if len(v) != self.chunk_bytes), loaded
-        )
-        self.stats.loaded_chunks += loaded
-        per_chunk = self._blocks_per_chunk
-        usable = max(0, min(len(op.block_ids), loaded * per_chunk - op.first_block))
-        if usable:
-            layers = len(self._pages)
-            src = host.view(chunks, layers, per_chunk, -1)
-            if self._device.type != "cpu":
-                src = src.to(self._device, non_blocking=True)
-            index = torch.tensor(op.block_ids[:usable], dtype=torch.long, device=self._device)
-            lo, hi = op.first_block, op.first_block + usable
-            for layer, pages in enumerate(self._pages):
-                rows = src[:, layer].reshape(chunks * per_chunk, -1)[lo:hi]
-                pages.index_copy_(0, index, rows.reshape(usable, *pages.shape[1:]))
-        return list(op.block_ids[usable:])
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, the requests whose asynchronous load ended). The blocks a load did not
+        fill are reported by get_block_ids_with_load_errors in the same pass, as vLLM
+        asks; requests in `finished_req_ids` still loading are cancelled."""
+        if self._loader is None:
+            return None, None
+        done, failed = self._loader.poll(finished_req_ids)
+        self._load_errors.update(failed)
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        return  # sync loads complete in start_load_kv; async ones before get_finished
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -538,7 +461,8 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             staged[:, layer] = pages.index_select(0, index).reshape(chunks, per_chunk, -1)
         if self._device.type == "cpu":
             return staged.view(chunks, -1), None
-        host = self._host_buffer(chunks)
+        assert self._target is not None
+        host = self._target.host_buffer(chunks)
         if self._device.type != "cuda":
             host.copy_(staged.view(chunks, -1))
             return host, None
@@ -552,6 +476,19 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> Any:
+        """The counters' rise since the last call, as vLLM's KV connector stats (both
+        roles: vLLM sums the workers' and the scheduler's)."""
+        return self._interval.take() if self.enabled else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return PolarKVStats(data=dict(data or {}))
+
+    def flush_loads(self, timeout: float = 10.0) -> bool:
+        """Wait for the asynchronous loads submitted so far to end (tests)."""
+        return self._loader.wait(timeout) if self._loader is not None else True
 
     def flush_saves(self, timeout: float | None = None) -> bool:
         """Wait for the background saves submitted so far (tests, orderly shutdown)."""

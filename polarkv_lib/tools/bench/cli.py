@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "manager": "polarkv_lib.tools.bench.manager",
     "cluster": "polarkv_lib.tools.bench.cluster",
     "ttft": "polarkv_lib.tools.bench.ttft",
+    "stall": "polarkv_lib.tools.bench.stall",
 }
 
 

@@ -1,0 +1,187 @@
+"""Worker-side loads of the vLLM connector: one request's chunks from PolarKV into a host
+buffer, scattered into vLLM's KV pages; run inline (synchronous mode) or on a small
+thread pool (asynchronous mode, the default) that the step polls.
+
+Why the asynchronous scatter cannot race with the forward pass: a request whose load is
+in flight is WAITING_FOR_REMOTE_KVS in vLLM's scheduler, so none of its blocks is in a
+batch, nor in vLLM's prefix cache (it caches them only once the load is reported), nor
+freed (vLLM defers freeing a waiting request's blocks, aborted or not, until the load is
+reported finished). The pool only ever writes those blocks, and reports the request
+finished once its writes are complete (on a GPU: after its own stream is synchronised).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polarkv_lib.client import PolarKVClient
+
+if TYPE_CHECKING:
+    from polarkv_lib.integrations.vllm import ConnectorStats, LoadOp
+
+log = logging.getLogger("polarkv.integrations.vllm")
+_counting = threading.Lock()  # the loading threads add to one ConnectorStats
+
+
+@dataclass(frozen=True)
+class PageTarget:
+    """Where loads land: the registered page views, their device and the chunk shape."""
+
+    pages: list[Any]
+    device: Any
+    chunk_tokens: int
+    blocks_per_chunk: int
+    chunk_bytes: int
+
+    def host_buffer(self, chunks: int) -> Any:
+        pin = self.device is not None and self.device.type == "cuda"
+        return torch.empty((chunks, self.chunk_bytes), dtype=torch.uint8, pin_memory=pin)
+
+
+def load_into_pages(
+    client: PolarKVClient,
+    target: PageTarget,
+    op: LoadOp,
+    stats: ConnectorStats,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> list[int]:
+    """Load one request's chunks and scatter them; returns the blocks not filled. With
+    `cancelled()` true once the chunks have arrived (the request is gone), nothing is
+    written and the host buffer is dropped at once."""
+    if not target.pages or not op.block_ids:
+        return list(op.block_ids)
+    started = time.monotonic()
+    ct, per_chunk = target.chunk_tokens, target.blocks_per_chunk
+    chunks = len(op.tokens) // ct
+    host = target.host_buffer(chunks)
+    data = host.numpy()
+    n_tokens, views = client.load_kv(op.tokens, [memoryview(data[i]) for i in range(chunks)])
+    loaded = n_tokens // ct
+    # A chunk of another size cannot be this format: it ends the usable prefix.
+    loaded = next((i for i, v in enumerate(views[:loaded]) if len(v) != target.chunk_bytes), loaded)
+    if cancelled():
+        return list(op.block_ids)
+    usable = max(0, min(len(op.block_ids), loaded * per_chunk - op.first_block))
+    if usable:
+        _scatter(target, host, chunks, op, usable)
+    with _counting:
+        stats.loaded_chunks += loaded
+        stats.loaded_tokens += usable * (ct // per_chunk)
+        stats.load_seconds += time.monotonic() - started
+    return list(op.block_ids[usable:])
+
+
+def _scatter(target: PageTarget, host: Any, chunks: int, op: LoadOp, usable: int) -> None:
+    device, per_chunk = target.device, target.blocks_per_chunk
+    side = (
+        torch.cuda.Stream(device=device)
+        if device.type == "cuda" and threading.current_thread() is not threading.main_thread()
+        else None
+    )
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        src = host.view(chunks, len(target.pages), per_chunk, -1)
+        if device.type != "cpu":
+            src = src.to(device, non_blocking=True)
+        index = torch.tensor(op.block_ids[:usable], dtype=torch.long, device=device)
+        lo, hi = op.first_block, op.first_block + usable
+        for layer, pages in enumerate(target.pages):
+            rows = src[:, layer].reshape(chunks * per_chunk, -1)[lo:hi]
+            pages.index_copy_(0, index, rows.reshape(usable, *pages.shape[1:]))
+    if side is not None:
+        # Off the step's stream: done only when these copies are, before it is reported.
+        side.synchronize()
+
+
+class Loader:
+    """Asynchronous loads: `submit` returns at once; `poll`, once per step, hands back the
+    requests whose load has ended (loaded, failed or cancelled) and their unfilled blocks.
+    Every submitted request is handed back exactly once, so vLLM can release it."""
+
+    def __init__(
+        self,
+        client: PolarKVClient,
+        target: PageTarget,
+        stats: ConnectorStats,
+        threads: int,
+    ) -> None:
+        self._client = client
+        self._target = target
+        self._stats = stats
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="polarkv-vllm-load"
+        )
+        self._jobs: dict[str, concurrent.futures.Future[list[int]]] = {}
+        self._gone: set[str] = set()  # finished or aborted while loading
+        self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, op: LoadOp) -> None:
+        self._jobs[op.req_id] = self._pool.submit(self._run, op)
+
+    def _run(self, op: LoadOp) -> list[int]:
+        try:
+            return load_into_pages(
+                self._client, self._target, op, self._stats, lambda: self._is_gone(op.req_id)
+            )
+        except Exception as exc:  # the engine never sees a PolarKV fault
+            log.warning("PolarKV load of request %s failed: %r", op.req_id, exc)
+            return list(op.block_ids)
+
+    def _is_gone(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._gone
+
+    def poll(self, finished_req_ids: set[str]) -> tuple[set[str], set[int]]:
+        """(requests whose load has ended, blocks they did not fill). A request in
+        `finished_req_ids` (finished or aborted while loading) is cancelled: if its load
+        has not started it never does, else it writes nothing once its chunks arrive."""
+        gone = {r for r in finished_req_ids if r in self._jobs}
+        if gone:
+            with self._lock:
+                self._gone |= gone
+            for req_id in gone:
+                self._jobs[req_id].cancel()
+        done: set[str] = set()
+        failed: set[int] = set()
+        for req_id, future in list(self._jobs.items()):
+            if not future.done():
+                continue
+            del self._jobs[req_id]
+            done.add(req_id)
+            cancelled = req_id in self._gone
+            if cancelled:
+                with self._lock:
+                    self._gone.discard(req_id)
+                self._stats.cancelled_loads += 1
+                continue  # a finished request's blocks are vLLM's to free, not to recompute
+            missing = future.result()
+            if missing:
+                failed.update(missing)
+                self._stats.failed_load_blocks += len(missing)
+        return done, failed
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for every submitted load to end (tests, orderly shutdown)."""
+        futures = list(self._jobs.values())
+        _, pending = concurrent.futures.wait(futures, timeout)
+        return not pending
+
+    def close(self, timeout: float) -> None:
+        with self._lock:
+            self._gone |= set(self._jobs)
+        for future in self._jobs.values():
+            future.cancel()
+        self.wait(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)

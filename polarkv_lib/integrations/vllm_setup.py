@@ -1,0 +1,224 @@
+"""Setup of the vLLM connector, from vLLM's config alone (both roles): the page geometry,
+the chunk size, the rank and the namespace; the connector's own options; and its
+counters, also reported through vLLM's KV connector statistics."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from polarkv_lib.integrations.common import AdapterSettings, namespace
+from polarkv_lib.integrations.vllm_pages import PageGeometry
+
+log = logging.getLogger("polarkv.integrations.vllm")
+
+CHUNK_FORMAT = "pages-v1"
+MIN_DEFAULT_CHUNK_TOKENS = 256
+LOAD_MODES = ("async", "sync")
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The vLLM connector's own keys of kv_connector_extra_config (docs/ENGINES.md)."""
+
+    load_mode: str = "async"  # "async": the step never waits for a load; "sync": it does
+    lookup_timeout: float = 0.2  # seconds the scheduler's loop gives one lookup
+    load_threads: int = 2  # concurrent asynchronous loads per worker
+
+
+def options_from_extra(extra: Mapping[str, Any] | None) -> ConnectorOptions:
+    """Read the connector's options; ValueError with the key's name if one is wrong."""
+    extra = dict(extra or {})
+    defaults = ConnectorOptions()
+    mode = extra.get("load_mode", defaults.load_mode)
+    if mode not in LOAD_MODES:
+        raise ValueError(f"PolarKV: 'load_mode' must be one of {', '.join(LOAD_MODES)}")
+    bound = extra.get("lookup_timeout", defaults.lookup_timeout)
+    if not isinstance(bound, int | float) or isinstance(bound, bool) or bound <= 0:
+        raise ValueError("PolarKV: 'lookup_timeout' must be a positive number of seconds")
+    threads = extra.get("load_threads", defaults.load_threads)
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError("PolarKV: 'load_threads' must be a positive integer")
+    return ConnectorOptions(str(mode), float(bound), threads)
+
+
+@dataclass
+class ConnectorStats:
+    """Counters of one connector (scheduler or worker); they only rise."""
+
+    lookups: int = 0
+    lookups_reused: int = 0  # answered from the request's earlier lookup
+    lookup_faults: int = 0  # timed out or failed: a miss
+    hit_tokens: int = 0
+    loads: int = 0  # load operations started (one per request and step)
+    cancelled_loads: int = 0  # the request finished or was aborted while loading
+    loaded_chunks: int = 0
+    loaded_tokens: int = 0
+    load_seconds: float = 0.0
+    failed_load_blocks: int = 0
+    saved_chunks: int = 0
+    failed_saves: int = 0
+    dropped_saves: int = 0
+
+    def snapshot(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class PolarKVStats(KVConnectorStats):  # type: ignore[misc]
+    """One interval's rise of the counters above, summed over workers and the
+    scheduler; vLLM logs `reduce()` as "KV Transfer metrics"."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: Any) -> PolarKVStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            f"polarkv_{k}": (round(v, 4) if k == "load_seconds" else int(v))
+            for k, v in self.data.items()
+            if v
+        }
+        loads = self.data.get("loads", 0)
+        if loads and self.data.get("load_seconds"):
+            out["polarkv_avg_load_ms"] = round(1000 * self.data["load_seconds"] / loads, 2)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class StatsInterval:
+    """The rise of a ConnectorStats since the last call, as vLLM's connector stats."""
+
+    def __init__(self, stats: ConnectorStats) -> None:
+        self._stats = stats
+        self._last = stats.snapshot()
+
+    def take(self) -> Any:
+        now = self._stats.snapshot()
+        rise = {k: v - self._last.get(k, 0.0) for k, v in now.items()}
+        self._last = now
+        rise = {k: v for k, v in rise.items() if v}
+        return PolarKVStats(data=rise) if rise else None
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def page_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[PageGeometry | None, str]:
+    """The page geometry, or None and why the connector cannot serve this model."""
+    parallel = vllm_config.parallel_config
+    if (
+        getattr(parallel, "decode_context_parallel_size", 1) > 1
+        or getattr(parallel, "prefill_context_parallel_size", 1) > 1
+    ):
+        return None, "context parallelism shards a block's tokens across ranks"
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) != 1:
+        return (
+            None,
+            f"{len(groups)} KV cache groups (only one group of attention layers is supported)",
+        )
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec):
+        return None, f"KV cache spec {type(spec).__name__} is not attention"
+    if spec.tokens_per_state != 1:
+        return None, "compressed KV (tokens_per_state != 1)"
+    return PageGeometry(
+        block_size=int(spec.block_size),
+        num_heads=int(spec.num_heads),
+        content_bytes=int(spec.state_content_size_bytes),
+        layers=tuple(sorted(groups[0].layer_names, key=_natural_key)),
+    ), ""
+
+
+def chunk_tokens_for(settings: AdapterSettings, block_size: int) -> int:
+    if settings.chunk_tokens is None:
+        return -(-MIN_DEFAULT_CHUNK_TOKENS // block_size) * block_size
+    if settings.chunk_tokens % block_size:
+        raise ValueError(
+            f"PolarKV: 'chunk_tokens' ({settings.chunk_tokens}) must be a multiple "
+            f"of the KV cache block size ({block_size})"
+        )
+    return settings.chunk_tokens
+
+
+def parallel_ranks(vllm_config: Any, role: Any) -> tuple[int, int, int, int]:
+    """(tp_rank, tp_size, pp_rank, pp_size); the scheduler speaks for rank 0. The ranks
+    go into the namespace, so a wrong one would let ranks read each other's KV: once
+    vLLM's model-parallel groups exist, a rank that cannot be read is an error."""
+    parallel = vllm_config.parallel_config
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    if role != KVConnectorRole.WORKER:
+        return 0, tp, 0, pp
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        # A worker built outside vLLM's executor (tests, tools): the config's rank.
+        rank = int(getattr(parallel, "rank", 0))
+        return rank % tp, tp, (rank // tp) % pp, pp
+    try:
+        tp_rank = int(parallel_state.get_tensor_model_parallel_rank())
+        pp_rank = int(parallel_state.get_pp_group().rank_in_group)
+    except Exception as exc:
+        raise RuntimeError(
+            f"PolarKV: cannot read this worker's tensor/pipeline-parallel rank from vLLM "
+            f"({exc!r}); refusing to guess it, since the rank keeps the ranks' KV apart"
+        ) from exc
+    if not (0 <= tp_rank < tp and 0 <= pp_rank < pp):
+        raise RuntimeError(
+            f"PolarKV: vLLM reports tensor-parallel rank {tp_rank} of {tp} and "
+            f"pipeline-parallel rank {pp_rank} of {pp}; refusing a namespace for them"
+        )
+    return tp_rank, tp, pp_rank, pp
+
+
+def connector_namespace(
+    settings: AdapterSettings,
+    vllm_config: Any,
+    kv_cache_config: Any,
+    geometry: PageGeometry,
+    chunk_tokens: int,
+    role: Any,
+) -> str:
+    from vllm.platforms import current_platform
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    dtype = str(spec.dtype).removeprefix("torch.")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype != "auto":
+        dtype = f"{dtype}-{cache_dtype}"
+    layout = (
+        getattr(kv_cache_config, "kv_cache_layout", None)
+        or getattr(vllm_config.cache_config, "kv_cache_layout", None)
+        or "unresolved"
+    )
+    tp_rank, tp, pp_rank, pp = parallel_ranks(vllm_config, role)
+    return namespace(
+        settings,
+        "vllm",
+        CHUNK_FORMAT,
+        vllm_config.model_config.model,
+        dtype,
+        layout,
+        f"b{geometry.block_size}-h{geometry.num_heads}-c{geometry.content_bytes}",
+        current_platform.device_type,
+        f"tp{tp_rank}of{tp}",
+        f"pp{pp_rank}of{pp}",
+        f"chunk{chunk_tokens}",
+    )
