@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from polarkv_lib.errors import ExitCode
-from polarkv_lib.tools.bench.stall import Cell, pct, render
+from polarkv_lib.stats import percentile as pct
+from polarkv_lib.tools.bench.stall import Cell, render
 
 ROOT = Path(__file__).resolve().parents[2]
 

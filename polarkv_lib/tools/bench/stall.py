@@ -35,6 +35,8 @@ from typing import Any
 import click
 import orjson
 
+from polarkv_lib.service import Service, running
+from polarkv_lib.stats import percentile
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.ttft import (
     MODEL,
@@ -44,7 +46,6 @@ from polarkv_lib.tools.bench.ttft import (
     _wait_saves,
 )
 from polarkv_lib.tools.bench.ttft import _stats as polarkv_stats
-from polarkv_lib.tools.service import Service, running
 from polarkv_lib.tools.vllm_server import (
     ROOT,
     ServerError,
@@ -85,24 +86,16 @@ class Cell:
     def to_json(self) -> dict[str, Any]:
         return {
             "config": self.config,
-            "gap_p50_s": round(pct(self.gaps, 0.5), 4),
-            "gap_p99_s": round(pct(self.gaps, 0.99), 4),
+            "gap_p50_s": round(percentile(self.gaps, 0.5), 4),
+            "gap_p99_s": round(percentile(self.gaps, 0.99), 4),
             "gap_max_s": round(max(self.gaps, default=0.0), 4),
             "gaps": len(self.gaps),
-            "arrival_ttft_p50_s": round(pct(self.ttft, 0.5), 4),
+            "arrival_ttft_p50_s": round(percentile(self.ttft, 0.5), 4),
             "arrival_ttft_max_s": round(max(self.ttft, default=0.0), 4),
             "hit_tokens": self.hit_tokens,
             "wrong_tokens": self.wrong,
             "short_streams": self.short_streams,
         }
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile, nearest rank."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(-(-q * len(ordered) // 1)) - 1))]
 
 
 def _stream_prompts(plan: Plan) -> list[list[int]]:
@@ -263,8 +256,8 @@ def render(cells: list[Cell]) -> str:
         ]
     ]
     for c in cells:
-        ref = pct(base.gaps, 0.99) if base is not None else 0.0
-        vs = f"{pct(c.gaps, 0.99) / ref:.2f}x" if ref and c is not base else ""
+        ref = percentile(base.gaps, 0.99) if base is not None else 0.0
+        vs = f"{percentile(c.gaps, 0.99) / ref:.2f}x" if ref and c is not base else ""
         notes = []
         if c.wrong:
             notes.append(f"{c.wrong} WRONG tokens")
@@ -275,11 +268,11 @@ def render(cells: list[Cell]) -> str:
         lines.append(
             [
                 c.config,
-                f"{pct(c.gaps, 0.5) * 1000:.1f}",
-                f"{pct(c.gaps, 0.99) * 1000:.1f}",
+                f"{percentile(c.gaps, 0.5) * 1000:.1f}",
+                f"{percentile(c.gaps, 0.99) * 1000:.1f}",
                 f"{max(c.gaps, default=0.0) * 1000:.1f}",
                 vs,
-                f"{pct(c.ttft, 0.5) * 1000:.0f}",
+                f"{percentile(c.ttft, 0.5) * 1000:.0f}",
                 str(c.hit_tokens),
                 "; ".join(notes),
             ]
