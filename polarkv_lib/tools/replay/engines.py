@@ -1,0 +1,411 @@
+"""`polarkv replay --engine vllm`: the trace through real vLLM servers (DESIGN §13).
+
+Per layout, a fresh `polarkv cluster` (one manager shard, two memory VMs with capped
+links, one client VM per engine) and, in each client VM, a `vllm serve` (the CPU build,
+a small Llama with random weights built once per run) with its own prefix cache and,
+except in `local`, PolarKVConnector pointed at the cluster's manager over TCP. A router
+on the host sends each trace request at its arrival time (scaled) to one engine and
+times its first streamed token. Before the layouts, one engine with no cache at all, on
+the host, measures TTFT at a few prompt lengths (the TTFT model's calibration) and
+gives the reference tokens of the sampled requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from polarkv_lib.cluster import procs
+from polarkv_lib.cluster.harness import Cluster
+from polarkv_lib.cluster.netns import ClusterError
+from polarkv_lib.cluster.spec import ClusterSpec, Vm
+from polarkv_lib.tools.bench.core import BenchError
+from polarkv_lib.tools.progress import progress
+from polarkv_lib.tools.replay.trace import Request
+from polarkv_lib.tools.replay.ttft_model import Served, TtftModel, fit_prefill
+from polarkv_lib.tools.tiny_llama import TinyLlama
+from polarkv_lib.tools.vllm_server import ROOT, ServerError, VllmServer, kv_transfer_config
+
+LAYOUTS = ("local", "memory", "tiered", "global")
+MODEL = TinyLlama(
+    layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=4096, max_len=2048
+)
+CHUNK_TOKENS = 128  # one vLLM CPU block: the finest chunk the connector allows
+GEN_TOKENS = 4  # generated per request (the trace's output lengths are not replayed)
+IN_FLIGHT = 16  # requests the router keeps open at once
+POLARKV_STATS = ("hits_memory", "hits_disk", "misses", "evictions", "offloads", "reloads")
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    python: str
+    engines: int = 2
+    layouts: tuple[str, ...] = ("local", "memory", "tiered")
+    router: str = "round-robin"
+    session_blocks: int = 2
+    block_tokens: int = 32
+    time_scale: float = 1.0
+    sample: int = 16
+    slab_memory: str = "16MiB"  # per memory VM, the same in every PolarKV layout
+    nic: str = "2Gbit"
+    cpus: tuple[str, ...] = ("0", "1")  # engine i's OpenMP threads: cpus[i % len]
+    workdir: str = ""
+
+
+def kv_bytes_per_token() -> int:
+    return MODEL.layers * 2 * MODEL.kv_heads * (MODEL.hidden // MODEL.heads) * 4  # float32
+
+
+def block(block_id: int, tokens: int) -> list[int]:
+    """The token ids of one trace block: the same wherever the id appears."""
+    rng = random.Random(block_id * 1_000_003 + tokens)
+    return [rng.randrange(MODEL.vocab - 1) for _ in range(tokens)]
+
+
+def prompt(request: Request, block_tokens: int) -> list[int]:
+    """The request's blocks, as many as fit the model with the generated tokens."""
+    most = (MODEL.max_len - GEN_TOKENS - 1) // block_tokens
+    ids = request.hash_ids[:most] or (-1,)
+    return [t for i in ids for t in block(i, block_tokens)]
+
+
+@dataclass
+class VmServer(VllmServer):
+    """A `vllm serve` inside a cluster VM, listening on the VM's address."""
+
+    vm: Vm | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.vm is not None
+        return f"http://{self.vm.address}:{self.port}"
+
+    def command(self) -> list[str]:
+        assert self.vm is not None
+        cmd = super().command()
+        cmd[cmd.index("--host") + 1] = self.vm.address
+        return procs.in_vm(self.vm, [*cmd, "--enable-prompt-tokens-details"])
+
+
+def stream(
+    url: str, model: str, tokens: list[int], timeout: float = 600.0
+) -> tuple[float, list[int], int]:
+    """Greedy streamed completion: (seconds to the first streamed token, the generated
+    token ids, the prompt tokens the engine reports cached), timed by the client."""
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": GEN_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    start, first, out, cached = time.perf_counter(), 0.0, [], 0
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                ids = [int(t) for c in chunk.get("choices") or [] for t in c.get("token_ids") or []]
+                if ids and not first:
+                    first = time.perf_counter() - start
+                out += ids
+                details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+                cached = int(details.get("cached_tokens") or cached)
+    except OSError as exc:
+        raise BenchError(f"{url}: completion failed: {exc}") from None
+    return first, out, cached
+
+
+def _build_model(python: str, path: str) -> None:
+    args = [python, "-m", "polarkv_lib.tools.tiny_llama", path]
+    for name, value in MODEL.__dict__.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise BenchError(f"could not build the model with {python}:\n{done.stderr[-2000:]}")
+
+
+@contextlib.contextmanager
+def _servers(servers: list[VllmServer]) -> Iterator[list[VllmServer]]:
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+            stream(server.url, server.model, block(-2, 64))  # lazy set-up, off the clock
+        yield servers
+    except ServerError as exc:
+        raise BenchError(str(exc)) from None
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _counters(server: VllmServer) -> dict[str, float]:
+    m = server.metrics()
+    return {
+        "prompt": m.get("vllm:prompt_tokens_total", 0.0),
+        "local": m.get("vllm:prefix_cache_hits_total", 0.0),
+        "external": m.get("vllm:external_prefix_cache_hits_total", 0.0),
+    }
+
+
+@dataclass
+class Reference:
+    """What the engine with no cache measured: calibration points and sampled tokens."""
+
+    points: list[tuple[int, float]] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # request index -> tokens
+
+
+LENGTHS = (128, 510, 1021, 1532, MODEL.max_len - GEN_TOKENS - 1)  # calibration prompts
+REPEATS = 3
+
+
+def measure_prefill(servers: list[VllmServer]) -> list[tuple[int, float]]:
+    """No-cache TTFT at each calibration length, the median over the engines and repeats
+    (fresh tokens every time, so nothing is found cached)."""
+    points = []
+    with progress(len(LENGTHS) * REPEATS * len(servers), "calibrate", "req") as bar:
+        for n in LENGTHS:
+            times = []
+            for rep in range(REPEATS):
+                for k, server in enumerate(servers):
+                    times.append(
+                        stream(server.url, server.model, block(-100 - 10 * n - 3 * rep - k, n))[0]
+                    )
+                    bar.update(1)
+            points.append((n, statistics.median(times)))
+    return points
+
+
+def reference(
+    plan: EnginePlan, model: str, requests: list[Request], sample: list[int], calibrate: bool
+) -> Reference:
+    """The engine with no cache at all: the sampled requests' tokens and, when no
+    `local` layout runs (whose engines calibrate the model), the calibration points."""
+    ref = Reference()
+    server = VllmServer(
+        python=plan.python,
+        model=model,
+        workdir=os.path.join(plan.workdir, "reference"),
+        name="reference",
+        max_model_len=MODEL.max_len,
+        cpus=plan.cpus[0],
+    )
+    with _servers([server]):
+        if calibrate:
+            ref.points = measure_prefill([server])
+        with progress(len(sample), "reference tokens", "req") as bar:
+            for i in sample:
+                ref.tokens[i] = stream(server.url, model, prompt(requests[i], plan.block_tokens))[1]
+                bar.update(1)
+    return ref
+
+
+def _spec(plan: EnginePlan, layout: str, index: int) -> ClusterSpec:
+    return ClusterSpec(
+        name=f"rpl{index}",
+        subnet=f"10.79.{index}",
+        memory_vms=2,
+        client_vms=plan.engines,
+        nic=plan.nic,
+        slab_memory=plan.slab_memory,
+        disk_capacity="2GiB",
+        settings=("log.level=warning",),
+        disk_tier=layout in ("tiered", "global"),
+        global_pools=layout == "global",
+    )
+
+
+def run_layout(
+    plan: EnginePlan,
+    layout: str,
+    index: int,
+    model: str,
+    requests: list[Request],
+    route: Callable[[int, Request], int],
+    reference: Reference,
+) -> tuple[dict[str, Any], list[Served]]:
+    spec = _spec(plan, layout, index)
+    cluster = Cluster(spec, os.path.join(plan.workdir, "clusters"))
+    manager = spec.manager_urls()[0]
+    transfer = None
+    if layout != "local":
+        transfer = kv_transfer_config(
+            manager, token=spec.token, transport="tcp", chunk_tokens=CHUNK_TOKENS, timeout=5.0
+        )
+    servers: list[VllmServer] = [
+        VmServer(
+            python=plan.python,
+            model=model,
+            workdir=os.path.join(plan.workdir, layout),
+            name=f"engine{i}",
+            kv_transfer=transfer,
+            prefix_caching=True,
+            max_model_len=MODEL.max_len,
+            cpus=plan.cpus[i % len(plan.cpus)],
+            vm=spec.vm(f"cli{i}"),
+        )
+        for i in range(plan.engines)
+    ]
+    started = time.monotonic()
+    try:
+        with cluster, _servers(servers):
+            if layout == "local":  # these engines, as loaded as in the replay, with no PolarKV
+                reference.points = measure_prefill(servers)
+            before = [_counters(s) for s in servers]
+            records = _replay(plan, layout, servers, requests, route, reference)
+            after = [_counters(s) for s in servers]
+            stats = {} if transfer is None else cluster.admin(manager, "/v1/stats")
+            between = sum(cluster.peer_bytes(name) for name in spec.memory_services())
+    except ClusterError as exc:
+        raise BenchError(f"layout {layout}: {exc}") from None
+    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in before[0]}
+    share = delta["external"] / (delta["local"] + delta["external"]) if delta["external"] else 0.0
+    served = [
+        Served(r["arrival_s"], r["engine"], r["prompt_tokens"], r["cached"], share, r["ttft_s"])
+        for r in records
+    ]
+    ttfts = sorted(r.ttft_s for r in served)
+    hits = int(delta["local"] + delta["external"])
+    row = {
+        "layout": layout,
+        "requests": len(served),
+        "ttft_p50_s": round(statistics.median(ttfts), 4),
+        "ttft_p90_s": round(ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], 4),
+        "ttft_mean_s": round(statistics.fmean(ttfts), 4),
+        "hit_tokens": hits,
+        "prompt_tokens": int(delta["prompt"]),
+        "hit_rate": round(hits / delta["prompt"], 4) if delta["prompt"] else 0.0,
+        "local_hit_tokens": int(delta["local"]),
+        "polarkv_hit_tokens": int(delta["external"]),
+        "polarkv": {k: stats.get(k, 0) for k in POLARKV_STATS} if stats else {},
+        "bytes_between_memory_vms": between,
+        "sampled": len(reference.tokens),
+        "wrong_tokens": sum(r["wrong"] for r in records),
+        "run_s": round(time.monotonic() - started, 1),
+    }
+    return row, served
+
+
+def _replay(
+    plan: EnginePlan,
+    layout: str,
+    servers: list[VllmServer],
+    requests: list[Request],
+    route: Callable[[int, Request], int],
+    reference: Reference,
+) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = [{} for _ in requests]
+    t0 = requests[0].timestamp_ms
+    lock = threading.Lock()
+
+    def one(i: int, arrival: float, engine: int) -> None:
+        tokens = prompt(requests[i], plan.block_tokens)
+        server = servers[engine]
+        ttft, out, cached = stream(server.url, server.model, tokens)
+        want = reference.tokens.get(i)
+        with lock:
+            records[i] = {
+                "arrival_s": arrival,
+                "engine": engine,
+                "prompt_tokens": len(tokens),
+                "cached": cached,
+                "ttft_s": ttft,
+                "wrong": int(want is not None and want != out),
+            }
+
+    with (
+        progress(len(requests), f"replay {layout}", "req") as bar,
+        ThreadPoolExecutor(IN_FLIGHT) as pool,
+    ):
+        start = time.monotonic()
+        futures: list[Future[None]] = []
+        for i, request in enumerate(requests):
+            due = (request.timestamp_ms - t0) / 1000 / plan.time_scale if plan.time_scale else 0.0
+            delay = start + due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            fut = pool.submit(one, i, time.monotonic() - start, route(i, request) % len(servers))
+            fut.add_done_callback(lambda _: bar.update(1))
+            futures.append(fut)
+        for fut in futures:
+            fut.result()  # a failed request fails the run, with its reason
+    return records
+
+
+def sample_indices(n: int, k: int) -> list[int]:
+    """k request indices spread evenly over n (all when k >= n)."""
+    if k >= n:
+        return list(range(n))
+    return sorted({round(j * (n - 1) / max(1, k - 1)) for j in range(k)})
+
+
+def run(
+    plan: EnginePlan, requests: list[Request], route: Callable[[int, Request], int]
+) -> dict[str, Any]:
+    model = os.path.join(plan.workdir, "model")
+    _build_model(plan.python, model)
+    sample = sample_indices(len(requests), plan.sample)
+    ref = reference(plan, model, requests, sample, "local" not in plan.layouts)
+    rows: list[dict[str, Any]] = []
+    served: dict[str, list[Served]] = {}
+    # local first: its engines calibrate the prefill model (the rows keep the given order)
+    for layout in sorted(plan.layouts, key=lambda x: x != "local"):
+        index = plan.layouts.index(layout)
+        row, served[layout] = run_layout(plan, layout, index, model, requests, route, ref)
+        rows.append(row)
+    rows.sort(key=lambda r: plan.layouts.index(r["layout"]))
+    prefill = TtftModel(*fit_prefill(ref.points))
+    # The load rate: fitted on the first PolarKV layout (memory when it runs), then used
+    # for every layout; that layout's own prediction is in-sample for the load term.
+    fitted_on = next((r["layout"] for r in rows if r["polarkv_hit_tokens"] > 0), None)
+    ttft = prefill.with_load_fitted(served[fitted_on]) if fitted_on else prefill
+    for row in rows:
+        modelled = statistics.fmean(ttft.predict(served[row["layout"]]))
+        row["modelled_ttft_mean_s"] = round(modelled, 4)
+        row["model_error"] = (
+            round(modelled / row["ttft_mean_s"] - 1, 3) if row["ttft_mean_s"] else None
+        )
+    return {
+        "engine": "vllm",
+        "requests": len(requests),
+        "engines": plan.engines,
+        "router": plan.router,
+        "block_tokens": plan.block_tokens,
+        "time_scale": plan.time_scale,
+        "model": MODEL.__dict__,
+        "kv_bytes_per_token": kv_bytes_per_token(),
+        "slab_memory_per_vm": plan.slab_memory,
+        "ttft_model": {
+            **ttft.to_json(),
+            "calibration": [{"prompt_tokens": n, "ttft_s": round(t, 4)} for n, t in ref.points],
+            "calibrated_on": "local" if "local" in plan.layouts else "reference",
+            "load_fitted_on": fitted_on,
+        },
+        "layouts": rows,
+    }
