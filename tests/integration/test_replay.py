@@ -265,6 +265,7 @@ def test_time_scale_keeps_the_traces_pace(tmp_path: Path) -> None:
         (["--engine", "vllm", "--python", sys.executable, "--engines", "0"], "--engines must be"),
         (["--engine", "vllm", "--python", sys.executable, "--block-tokens", "9999"], "below"),
         (["--engine", "vllm", "--python", sys.executable, "--engine-memory", "lots"], "memory"),
+        (["--engine", "vllm", "--python", sys.executable, "--nic", "fast"], "--nic"),
     ],
 )
 def test_bad_flags_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -175,6 +175,9 @@ def _router(route: str, nodes: int, session_blocks: int) -> Callable[[int, Reque
     show_default=True,
     help="--engine: PolarKV memory per memory VM (memory, tiered and global alike).",
 )
+@click.option(
+    "--nic", default="2Gbit", show_default=True, help="--engine: every cluster VM's link rate."
+)
 @click.pass_context
 def replay(
     ctx: click.Context,
@@ -207,6 +210,7 @@ def replay(
     router: str,
     sample: str,
     engine_memory: str,
+    nic: str,
 ) -> None:
     """Replay a trace: per request, load the longest cached prefix, store the rest."""
     import logging
@@ -231,6 +235,7 @@ def replay(
             router=router,
             sample=sample,
             memory=engine_memory,
+            nic=nic,
             trace_path=trace_path,
             block_tokens=block_tokens or "32",
             limit=limit,

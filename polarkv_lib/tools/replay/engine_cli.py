@@ -28,6 +28,7 @@ def engine_replay(
     router: str,
     sample: str,
     memory: str,
+    nic: str,
     trace_path: str,
     block_tokens: str,
     limit: str | None,
@@ -62,6 +63,10 @@ def engine_replay(
         parse_size(memory)
     except ValueError as exc:
         _fail(f"--engine-memory: {exc}")
+    try:  # "none" leaves the links uncapped
+        netns.parse_rate(nic)
+    except ValueError as exc:
+        _fail(f"--nic: {exc}")
     requests_limit = _number(limit, "--requests", int, 1) if limit else None
     scale = _number(time_scale, "--time-scale", float, 0)
     checked = _number(sample, "--sample", int, 0)
@@ -87,6 +92,7 @@ def engine_replay(
             time_scale=scale,
             sample=checked,
             slab_memory=memory,
+            nic=nic,
             workdir=workdir,
         )
         try:

@@ -61,6 +61,7 @@ class EnginePlan:
     nic: str = "2Gbit"
     cpus: tuple[str, ...] = ("0", "1")  # engine i's OpenMP threads: cpus[i % len]
     workdir: str = ""
+    tag: int = field(default_factory=lambda: os.getpid() % 60)  # names this run's clusters
 
 
 def kv_bytes_per_token() -> int:
@@ -228,8 +229,9 @@ def reference(
 
 def _spec(plan: EnginePlan, layout: str, index: int) -> ClusterSpec:
     return ClusterSpec(
-        name=f"rpl{index}",
-        subnet=f"10.79.{index}",
+        # per run and layout, so that two replays on one host do not meet
+        name=f"r{plan.tag:02d}{index}",
+        subnet=f"10.79.{plan.tag * 4 + index}",
         memory_vms=2,
         client_vms=plan.engines,
         nic=plan.nic,
