@@ -203,6 +203,37 @@ def measure_prefill(servers: list[VllmServer]) -> list[tuple[int, float]]:
     return points
 
 
+LOAD_LENGTHS = (512, 1024, MODEL.max_len - GEN_TOKENS - 1)
+
+
+def _wait_saves(cluster: Cluster, url: str, timeout: float = 60.0) -> None:
+    """Saves are asynchronous: until the manager's commit count stops moving."""
+    last, deadline = -1, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = cluster.admin(url, "/v1/stats")
+        if stats.get("commits") == last and not stats.get("keys_writing"):
+            return
+        last = stats.get("commits", 0)
+        time.sleep(0.3)
+
+
+def measure_loads(
+    cluster: Cluster, url: str, servers: list[VllmServer]
+) -> list[tuple[int, int, float]]:
+    """(prompt tokens, tokens the engine found cached, TTFT) of loads from PolarKV: the
+    first engine stores a fresh prompt, the second (which never saw it) loads it."""
+    if len(servers) < 2:
+        return []
+    out = []
+    for n in LOAD_LENGTHS:
+        tokens = block(-7_000_000 - n, n)
+        stream(servers[0].url, servers[0].model, tokens)
+        _wait_saves(cluster, url)
+        ttft, _, cached = stream(servers[1].url, servers[1].model, tokens)
+        out.append((n, cached, ttft))
+    return out
+
+
 def reference(
     plan: EnginePlan, model: str, requests: list[Request], sample: list[int], calibrate: bool
 ) -> Reference:
@@ -279,6 +310,7 @@ def run_layout(
         with cluster, _servers(servers):
             if layout == "local":  # these engines, as loaded as in the replay, with no PolarKV
                 reference.points = measure_prefill(servers)
+            loads = [] if transfer is None else measure_loads(cluster, manager, servers)
             before = [_counters(s) for s in servers]
             records = _replay(plan, layout, servers, requests, route, reference)
             after = [_counters(s) for s in servers]
@@ -310,6 +342,9 @@ def run_layout(
         "sampled": len(reference.tokens),
         "wrong_tokens": sum(r["wrong"] for r in records),
         "run_s": round(time.monotonic() - started, 1),
+        "measured_loads": [
+            {"prompt_tokens": n, "cached_tokens": h, "ttft_s": round(t, 4)} for n, h, t in loads
+        ],
     }
     return row, served
 
@@ -383,11 +418,12 @@ def run(
         rows.append(row)
     rows.sort(key=lambda r: plan.layouts.index(r["layout"]))
     prefill = TtftModel(*fit_prefill(ref.points))
-    # The load rate: fitted on the first PolarKV layout (memory when it runs), then used
-    # for every layout; that layout's own prediction is in-sample for the load term.
-    fitted_on = next((r["layout"] for r in rows if r["polarkv_hit_tokens"] > 0), None)
-    ttft = prefill.with_load_fitted(served[fitted_on]) if fitted_on else prefill
-    for row in rows:
+    for row in rows:  # the load rate per layout, from its own measured loads
+        loads = [
+            (x["prompt_tokens"], x["cached_tokens"], x["ttft_s"]) for x in row["measured_loads"]
+        ]
+        ttft = prefill.with_load(loads)
+        row["load_s_per_token"] = ttft.load_s_per_token
         modelled = statistics.fmean(ttft.predict(served[row["layout"]]))
         row["modelled_ttft_mean_s"] = round(modelled, 4)
         row["model_error"] = (
@@ -404,10 +440,9 @@ def run(
         "kv_bytes_per_token": kv_bytes_per_token(),
         "slab_memory_per_vm": plan.slab_memory,
         "ttft_model": {
-            **ttft.to_json(),
+            **{k: v for k, v in prefill.to_json().items() if k != "load_s_per_token"},
             "calibration": [{"prompt_tokens": n, "ttft_s": round(t, 4)} for n, t in ref.points],
             "calibrated_on": "local" if "local" in plan.layouts else "reference",
-            "load_fitted_on": fitted_on,
         },
         "layouts": rows,
     }

@@ -12,8 +12,9 @@ H^2) / 2). a, b, c are fitted by least squares to TTFTs of the same engine measu
 with no cache at a few prompt lengths, at the start of the run.
 
 A load from PolarKV adds `load_s_per_token` per token the engine took from PolarKV,
-fitted on one layout's measured requests (the residual of their TTFT over the modelled
-prefill); the engine's own prefix cache costs nothing extra.
+fitted per layout on loads measured before its replay (one engine stores a fresh prompt,
+the other loads it: the residual of that TTFT over the modelled prefill of the rest); the
+engine's own prefix cache costs nothing extra.
 
 Queueing: each engine serves its requests one after another in arrival order (a request
 starts when the previous one's prefill is done), so a burst waits; vLLM batches
@@ -92,18 +93,16 @@ class TtftModel:
             out[i] = free[r.engine] - r.arrival_s
         return [out[i] for i in range(len(served))]
 
-    def with_load_fitted(self, served: Sequence[Served]) -> TtftModel:
+    def with_load(self, loads: Sequence[tuple[int, int, float]]) -> TtftModel:
         """This model with `load_s_per_token` fitted (least squares through the origin)
-        to the TTFT that the prefill alone leaves unexplained, over requests with loads."""
-        base = TtftModel(self.a, self.b, self.c, 0.0).predict(served)
+        to measured loads, (prompt tokens, tokens loaded, TTFT) each: the TTFT that the
+        prefill of the rest leaves unexplained, per loaded token."""
         num = den = 0.0
-        for r, modelled in zip(served, base, strict=True):
-            loaded = r.cached_tokens * r.external_share
+        for prompt, loaded, ttft in loads:
             if loaded > 0:
-                num += loaded * (r.ttft_s - modelled)
+                num += loaded * (ttft - self.prefill_s(prompt, loaded))
                 den += loaded * loaded
-        rate = max(0.0, num / den) if den else 0.0
-        return TtftModel(self.a, self.b, self.c, rate)
+        return TtftModel(self.a, self.b, self.c, max(0.0, num / den) if den else 0.0)
 
     def to_json(self) -> dict[str, float]:
         return {
