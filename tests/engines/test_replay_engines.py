@@ -92,6 +92,7 @@ def test_replay_through_two_vllm_engines(tmp_path: Path) -> None:
     summary: dict[str, Any] = orjson.loads(out.read_bytes())
     assert summary["requests"] == SESSIONS * TURNS and summary["engines"] == 2
     rows = {r["layout"]: r for r in summary["layouts"]}
+    print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())  # shown on failure
     assert list(rows) == ["local", "memory", "tiered"]
     for row in rows.values():
         for key in (
@@ -109,7 +110,7 @@ def test_replay_through_two_vllm_engines(tmp_path: Path) -> None:
             assert key in row, (key, row)
         assert row["requests"] == SESSIONS * TURNS
         assert row["sampled"] == 6 and row["wrong_tokens"] == 0, row
-        assert row["hit_rate"] == pytest.approx(row["hit_tokens"] / row["prompt_tokens"])
+        assert row["hit_rate"] == pytest.approx(row["hit_tokens"] / row["prompt_tokens"], abs=1e-4)
     # Each turn lands on the other engine: its own cache has only block 0's share...
     assert rows["local"]["polarkv_hit_tokens"] == 0
     # ...PolarKV has the previous turn, from whichever engine stored it.
