@@ -39,6 +39,7 @@ def engine_replay(
     from polarkv_lib.cluster import netns
     from polarkv_lib.config import parse_size
     from polarkv_lib.tools.bench.core import BenchError
+    from polarkv_lib.tools.replay import engine_servers as srv
     from polarkv_lib.tools.replay import engines as eng
     from polarkv_lib.tools.replay.trace import TraceError, load_trace
 
@@ -57,8 +58,8 @@ def engine_replay(
     if router not in ("round-robin", "session"):
         _fail(f"--router must be round-robin or session, got {router!r}")
     tokens = _number(block_tokens, "--block-tokens", int, 1)
-    if tokens > eng.MODEL.max_len - eng.GEN_TOKENS - 1:
-        _fail(f"--block-tokens must be below the model's {eng.MODEL.max_len} tokens, got {tokens}")
+    if tokens > srv.MODEL.max_len - srv.GEN_TOKENS - 1:
+        _fail(f"--block-tokens must be below the model's {srv.MODEL.max_len} tokens, got {tokens}")
     try:
         parse_size(memory)
     except ValueError as exc:

@@ -12,37 +12,36 @@ gives the reference tokens of the sampled requests.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import random
 import statistics
-import subprocess
 import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from polarkv_lib.cluster import procs
 from polarkv_lib.cluster.harness import Cluster
 from polarkv_lib.cluster.netns import ClusterError
-from polarkv_lib.cluster.spec import ClusterSpec, Vm
+from polarkv_lib.cluster.spec import ClusterSpec
 from polarkv_lib.tools.bench.core import BenchError
 from polarkv_lib.tools.progress import progress
+from polarkv_lib.tools.replay.engine_servers import (
+    GEN_TOKENS,
+    MODEL,
+    VmServer,
+    block,
+    build_model,
+    counters,
+    servers_up,
+    stream,
+)
 from polarkv_lib.tools.replay.trace import Request
 from polarkv_lib.tools.replay.ttft_model import Served, TtftModel, fit_prefill
-from polarkv_lib.tools.tiny_llama import TinyLlama
-from polarkv_lib.tools.vllm_server import ROOT, ServerError, VllmServer, kv_transfer_config
+from polarkv_lib.tools.vllm_server import VllmServer, kv_transfer_config
 
 LAYOUTS = ("local", "memory", "tiered", "global")
-MODEL = TinyLlama(
-    layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=4096, max_len=2048
-)
 CHUNK_TOKENS = 128  # one vLLM CPU block: the finest chunk the connector allows
-GEN_TOKENS = 4  # generated per request (the trace's output lengths are not replayed)
 IN_FLIGHT = 16  # requests the router keeps open at once
 POLARKV_STATS = ("hits_memory", "hits_disk", "misses", "evictions", "offloads", "reloads")
 
@@ -68,110 +67,11 @@ def kv_bytes_per_token() -> int:
     return MODEL.layers * 2 * MODEL.kv_heads * (MODEL.hidden // MODEL.heads) * 4  # float32
 
 
-def block(block_id: int, tokens: int) -> list[int]:
-    """The token ids of one trace block: the same wherever the id appears."""
-    rng = random.Random(block_id * 1_000_003 + tokens)
-    return [rng.randrange(MODEL.vocab - 1) for _ in range(tokens)]
-
-
 def prompt(request: Request, block_tokens: int) -> list[int]:
     """The request's blocks, as many as fit the model with the generated tokens."""
     most = (MODEL.max_len - GEN_TOKENS - 1) // block_tokens
     ids = request.hash_ids[:most] or (-1,)
     return [t for i in ids for t in block(i, block_tokens)]
-
-
-@dataclass
-class VmServer(VllmServer):
-    """A `vllm serve` inside a cluster VM, listening on the VM's address."""
-
-    vm: Vm | None = None
-
-    @property
-    def url(self) -> str:
-        assert self.vm is not None
-        return f"http://{self.vm.address}:{self.port}"
-
-    def command(self) -> list[str]:
-        assert self.vm is not None
-        cmd = super().command()
-        cmd[cmd.index("--host") + 1] = self.vm.address
-        return procs.in_vm(self.vm, [*cmd, "--enable-prompt-tokens-details"])
-
-
-def stream(
-    url: str, model: str, tokens: list[int], timeout: float = 600.0
-) -> tuple[float, list[int], int]:
-    """Greedy streamed completion: (seconds to the first streamed token, the generated
-    token ids, the prompt tokens the engine reports cached), timed by the client."""
-    body = {
-        "model": model,
-        "prompt": tokens,
-        "max_tokens": GEN_TOKENS,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-        "ignore_eos": True,
-    }
-    request = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    start, first, out, cached = time.perf_counter(), 0.0, [], 0
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                ids = [int(t) for c in chunk.get("choices") or [] for t in c.get("token_ids") or []]
-                if ids and not first:
-                    first = time.perf_counter() - start
-                out += ids
-                details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
-                cached = int(details.get("cached_tokens") or cached)
-    except OSError as exc:
-        raise BenchError(f"{url}: completion failed: {exc}") from None
-    return first, out, cached
-
-
-def _build_model(python: str, path: str) -> None:
-    args = [python, "-m", "polarkv_lib.tools.tiny_llama", path]
-    for name, value in MODEL.__dict__.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise BenchError(f"could not build the model with {python}:\n{done.stderr[-2000:]}")
-
-
-@contextlib.contextmanager
-def _servers(servers: list[VllmServer]) -> Iterator[list[VllmServer]]:
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready()
-            stream(server.url, server.model, block(-2, 64))  # lazy set-up, off the clock
-        yield servers
-    except ServerError as exc:
-        raise BenchError(str(exc)) from None
-    finally:
-        for server in servers:
-            server.stop()
-
-
-def _counters(server: VllmServer) -> dict[str, float]:
-    m = server.metrics()
-    return {
-        "prompt": m.get("vllm:prompt_tokens_total", 0.0),
-        "local": m.get("vllm:prefix_cache_hits_total", 0.0),
-        "external": m.get("vllm:external_prefix_cache_hits_total", 0.0),
-    }
 
 
 @dataclass
@@ -248,7 +148,7 @@ def reference(
         max_model_len=MODEL.max_len,
         cpus=plan.cpus[0],
     )
-    with _servers([server]):
+    with servers_up([server]):
         if calibrate:
             ref.points = measure_prefill([server])
         with progress(len(sample), "reference tokens", "req") as bar:
@@ -307,13 +207,13 @@ def run_layout(
     ]
     started = time.monotonic()
     try:
-        with cluster, _servers(servers):
+        with cluster, servers_up(servers):
             if layout == "local":  # these engines, as loaded as in the replay, with no PolarKV
                 reference.points = measure_prefill(servers)
             loads = [] if transfer is None else measure_loads(cluster, manager, servers)
-            before = [_counters(s) for s in servers]
+            before = [counters(s) for s in servers]
             records = _replay(plan, layout, servers, requests, route, reference)
-            after = [_counters(s) for s in servers]
+            after = [counters(s) for s in servers]
             stats = {} if transfer is None else cluster.admin(manager, "/v1/stats")
             between = sum(cluster.peer_bytes(name) for name in spec.memory_services())
     except ClusterError as exc:
@@ -406,7 +306,7 @@ def run(
     plan: EnginePlan, requests: list[Request], route: Callable[[int, Request], int]
 ) -> dict[str, Any]:
     model = os.path.join(plan.workdir, "model")
-    _build_model(plan.python, model)
+    build_model(plan.python, model)
     sample = sample_indices(len(requests), plan.sample)
     ref = reference(plan, model, requests, sample, "local" not in plan.layouts)
     rows: list[dict[str, Any]] = []
