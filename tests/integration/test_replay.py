@@ -257,6 +257,15 @@ def test_time_scale_keeps_the_traces_pace(tmp_path: Path) -> None:
         (["--embedded-roles", "slab"], "--embedded-roles"),
         (["--manager-url", "127.0.0.1:8170"], "not an http(s) URL"),
         (["--manager-url", "http://127.0.0.1:9,http://127.0.0.1:9"], "listed twice"),
+        (["--engine", "sglang"], "only vllm"),
+        (["--engine", "vllm", "--python", "/nonexistent/python"], "does not exist"),
+        (["--engine", "vllm", "--python", sys.executable, "--layouts", "local,disk"], "--layouts"),
+        (["--engine", "vllm", "--python", sys.executable, "--layouts", "local,local"], "distinct"),
+        (["--engine", "vllm", "--python", sys.executable, "--router", "random"], "--router"),
+        (["--engine", "vllm", "--python", sys.executable, "--engines", "0"], "--engines must be"),
+        (["--engine", "vllm", "--python", sys.executable, "--block-tokens", "9999"], "below"),
+        (["--engine", "vllm", "--python", sys.executable, "--engine-memory", "lots"], "memory"),
+        (["--engine", "vllm", "--python", sys.executable, "--nic", "fast"], "--nic"),
     ],
 )
 def test_bad_flags_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -74,7 +74,9 @@ def _router(route: str, nodes: int, session_blocks: int) -> Callable[[int, Reque
     "--model", default=None, help="Model preset: llama-3-8b, qwen3-235b-a22b, deepseek-r1."
 )
 @click.option("--kv-bytes-per-token", default=None, help="KV bytes per token (instead of --model).")
-@click.option("--block-tokens", default="512", show_default=True, help="Tokens per trace block.")
+@click.option(
+    "--block-tokens", default=None, help="Tokens per trace block (default 512; 32 with --engine)."
+)
 @click.option(
     "--scale",
     default="1",
@@ -145,6 +147,37 @@ def _router(route: str, nodes: int, session_blocks: int) -> Callable[[int, Reque
     "--plot", "plot_path", default=None, help="Write hit rate and TTFT over the trace to this PNG."
 )
 @click.option("--title", default="", help="Title of the plot.")
+@click.option(
+    "--engine",
+    default=None,
+    help="vllm: replay through real vLLM servers on a namespace cluster (DESIGN §13).",
+)
+@click.option("--python", "engine_python", default=None, help="--engine: vLLM CPU build's Python.")
+@click.option("--engines", default="2", show_default=True, help="--engine: vLLM servers.")
+@click.option(
+    "--layouts",
+    default="local,memory,tiered",
+    show_default=True,
+    help="--engine: of local, memory, tiered, global; each on fresh services.",
+)
+@click.option(
+    "--router",
+    default="round-robin",
+    show_default=True,
+    help="--engine: round-robin, or session (hash of the first --session-blocks blocks).",
+)
+@click.option(
+    "--sample", default="16", show_default=True, help="--engine: requests whose tokens are checked."
+)
+@click.option(
+    "--engine-memory",
+    default="16MiB",
+    show_default=True,
+    help="--engine: PolarKV memory per memory VM (memory, tiered and global alike).",
+)
+@click.option(
+    "--nic", default="2Gbit", show_default=True, help="--engine: every cluster VM's link rate."
+)
 @click.pass_context
 def replay(
     ctx: click.Context,
@@ -170,6 +203,14 @@ def replay(
     per_request: bool,
     plot_path: str | None,
     title: str,
+    engine: str | None,
+    engine_python: str | None,
+    engines: str,
+    layouts: str,
+    router: str,
+    sample: str,
+    engine_memory: str,
+    nic: str,
 ) -> None:
     """Replay a trace: per request, load the longest cached prefix, store the rest."""
     import logging
@@ -185,6 +226,26 @@ def replay(
     from polarkv_lib.tools.replay import report, runner
     from polarkv_lib.tools.replay.trace import load_trace
 
+    if engine is not None:
+        from polarkv_lib.tools.replay.engine_cli import engine_replay
+
+        engine_replay(
+            engine=engine,
+            python=engine_python,
+            engines=engines,
+            layouts=layouts,
+            router=router,
+            sample=sample,
+            memory=engine_memory,
+            nic=nic,
+            trace_path=trace_path,
+            block_tokens=block_tokens or "32",
+            limit=limit,
+            time_scale=time_scale,
+            session_blocks=session_blocks,
+            json_path=json_path,
+        )
+        return
     if model is not None and kv_bytes_per_token is not None:
         _fail("give --model or --kv-bytes-per-token, not both")
     try:
@@ -228,6 +289,7 @@ def replay(
     for item in overrides:
         key, _, value = item.partition("=")
         config[key.strip()] = value.strip()
+    block_tokens = block_tokens or "512"
     options = runner.ReplaySettings(
         kv_bytes_per_token=per_token,
         block_tokens=_number(block_tokens, "--block-tokens", int, 1),
