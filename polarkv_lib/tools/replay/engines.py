@@ -25,6 +25,7 @@ from polarkv_lib.cluster.harness import Cluster
 from polarkv_lib.cluster.netns import ClusterError
 from polarkv_lib.cluster.spec import ClusterSpec
 from polarkv_lib.progress import progress
+from polarkv_lib.stats import percentile
 from polarkv_lib.tools.bench.core import BenchError
 from polarkv_lib.tools.replay.engine_servers import (
     GEN_TOKENS,
@@ -229,8 +230,8 @@ def run_layout(
     row = {
         "layout": layout,
         "requests": len(served),
-        "ttft_p50_s": round(statistics.median(ttfts), 4),
-        "ttft_p90_s": round(ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))], 4),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 4),
+        "ttft_p90_s": round(percentile(ttfts, 0.9), 4),
         "ttft_mean_s": round(statistics.fmean(ttfts), 4),
         "hit_tokens": hits,
         "prompt_tokens": int(delta["prompt"]),
