@@ -23,7 +23,14 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 from polarkv_lib.client.sharded import control_for
-from polarkv_lib.client.transfers import BufferLike, ClientStats, Transfers
+from polarkv_lib.client.transfers import (
+    BufferLike,
+    ClientStats,
+    Transfers,
+    as_view,
+    node_targets,
+    region_of,
+)
 from polarkv_lib.config import ClientConfig, Config
 from polarkv_lib.errors import OperationTimeout, PolarKVError
 from polarkv_lib.keys import check_key, chunk_keys
@@ -44,39 +51,6 @@ MIN_STREAM_WAIT = 0.01  # seconds: a stream waiting for room less than this give
 class CallerError(ValueError):
     """A caller mistake found only after the manager answered (e.g. an `out` buffer
     smaller than the stored chunk): raised, not turned into a miss."""
-
-
-def _as_view(data: object, what: str) -> memoryview:
-    try:
-        view = memoryview(data)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{what} must be bytes-like, got {type(data).__name__}") from None
-    if not view.contiguous:
-        raise ValueError(f"{what} must be a contiguous buffer")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _nodes(reply: dict[str, Any]) -> dict[str, NodeTarget]:
-    return {
-        node_id: NodeTarget(
-            node_id,
-            n["address"],
-            int(n["incarnation"]),
-            n.get("shm_path", ""),
-            n.get("host_id", ""),
-            tuple(n.get("transports", ("tcp",))),
-        )
-        for node_id, n in reply.get("nodes", {}).items()
-    }
-
-
-def _region(entry: dict[str, Any], nodes: dict[str, NodeTarget]) -> Region:
-    return Region(
-        nodes[entry["node"]],
-        int(entry["offset"]),
-        int(entry["size"]),
-        bytes.fromhex(entry["grant"]),
-    )
 
 
 DEFAULTS = ClientConfig()  # the one place client defaults are written
@@ -182,7 +156,7 @@ class AsyncPolarKVClient:
             raise TypeError("chunks must be a sequence of bytes-like objects")
         if len(chunks) > len(keys):
             raise ValueError(f"{len(chunks)} chunks for {len(keys)} full chunks of tokens")
-        views = [_as_view(c, f"chunks[{i}]") for i, c in enumerate(chunks)]
+        views = [as_view(c, f"chunks[{i}]") for i, c in enumerate(chunks)]
         if any(len(v) == 0 for v in views):
             raise ValueError("chunks must not be empty")
         return await self._guarded(self._store(keys[: len(views)], views), 0)
@@ -197,7 +171,7 @@ class AsyncPolarKVClient:
         keys = self.keys(tokens)
         targets = None
         if out is not None:
-            targets = [_as_view(b, f"out[{i}]") for i, b in enumerate(out)]
+            targets = [as_view(b, f"out[{i}]") for i, b in enumerate(out)]
             if any(t.readonly for t in targets):
                 raise ValueError("out buffers must be writable")
             keys = keys[: len(targets)]
@@ -212,7 +186,7 @@ class AsyncPolarKVClient:
 
     async def put(self, key: str, data: BufferLike) -> bool:
         self._check_open()
-        view = _as_view(data, "data")
+        view = as_view(data, "data")
         if len(view) == 0:
             raise ValueError("data must not be empty")
         return await self._guarded(self._store([check_key(key)], [view]), 0) == 1
@@ -237,7 +211,7 @@ class AsyncPolarKVClient:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         checked = [check_key(k) for k in keys]
-        views = [_as_view(v, f"values[{i}]") for i, v in enumerate(values)]
+        views = [as_view(v, f"values[{i}]") for i, v in enumerate(values)]
         if any(len(v) == 0 for v in views):
             raise ValueError("values must not be empty")
         return await self._guarded(self._store(checked, views), 0) if checked else 0
@@ -252,7 +226,7 @@ class AsyncPolarKVClient:
         if out is not None:
             if len(out) != len(checked):
                 raise ValueError(f"{len(checked)} keys for {len(out)} out buffers")
-            targets = [_as_view(b, f"out[{i}]") for i, b in enumerate(out)]
+            targets = [as_view(b, f"out[{i}]") for i, b in enumerate(out)]
             if any(t.readonly for t in targets):
                 raise ValueError("out buffers must be writable")
         return await self._guarded(self._load(checked, targets), []) if checked else []
@@ -355,7 +329,7 @@ class AsyncPolarKVClient:
             more,
         )
         lease = reply["lease"] or lease
-        nodes = _nodes(reply)
+        nodes = node_targets(reply)
         stored: list[int] = []
         writes: list[tuple[int, Region]] = []
         later: list[int] = []  # past this request's share of memory: ask again at once
@@ -365,7 +339,7 @@ class AsyncPolarKVClient:
             if status == "exists":
                 stored.append(i)
             elif status == "allocated":
-                writes.append((i, _region(res, nodes)))
+                writes.append((i, region_of(res, nodes)))
             elif status == "later":
                 later.append(i)
             elif status == "no_space":
@@ -438,7 +412,7 @@ class AsyncPolarKVClient:
                 entries = reply["entries"]
                 if entries:
                     good, corrupt = await self._read_window(
-                        start, entries, _nodes(reply), targets, deadline
+                        start, entries, node_targets(reply), targets, deadline
                     )
                     loaded.extend(good)
                     if len(good) < len(entries):
@@ -478,7 +452,9 @@ class AsyncPolarKVClient:
                     )
                 buffers.append(target[:size])
         sums = await self._transfers.move(
-            False, [(_region(e, nodes), b) for e, b in zip(entries, buffers, strict=True)], deadline
+            False,
+            [(region_of(e, nodes), b) for e, b in zip(entries, buffers, strict=True)],
+            deadline,
         )
         n = next((j for j, s in enumerate(sums) if s is None), len(sums))
         for j in range(n):

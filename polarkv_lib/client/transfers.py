@@ -10,13 +10,14 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
 from polarkv_lib.client.breaker import CircuitBreaker
 from polarkv_lib.errors import NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.transport import open_transports, pick
-from polarkv_lib.transport.base import Region
+from polarkv_lib.transport.base import NodeTarget, Region
 
 log = logging.getLogger("polarkv.client")
 BufferLike = bytes | bytearray | memoryview
@@ -24,6 +25,43 @@ BufferLike = bytes | bytearray | memoryview
 
 def checksum(data: BufferLike) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def as_view(data: object, what: str) -> memoryview:
+    """A caller's buffer as flat bytes; a TypeError or ValueError naming `what` if it
+    cannot be one."""
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be bytes-like, got {type(data).__name__}") from None
+    if not view.contiguous:
+        raise ValueError(f"{what} must be a contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def node_targets(reply: dict[str, Any]) -> dict[str, NodeTarget]:
+    """The slabs a lookup or allocate reply names, as the transports address them."""
+    return {
+        node_id: NodeTarget(
+            node_id,
+            n["address"],
+            int(n["incarnation"]),
+            n.get("shm_path", ""),
+            n.get("host_id", ""),
+            tuple(n.get("transports", ("tcp",))),
+        )
+        for node_id, n in reply.get("nodes", {}).items()
+    }
+
+
+def region_of(entry: dict[str, Any], nodes: dict[str, NodeTarget]) -> Region:
+    """Where one granted entry of a reply lies, and its grant."""
+    return Region(
+        nodes[entry["node"]],
+        int(entry["offset"]),
+        int(entry["size"]),
+        bytes.fromhex(entry["grant"]),
+    )
 
 
 @dataclass
