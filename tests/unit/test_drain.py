@@ -8,7 +8,7 @@ from polarkv_lib.manager.core import Metadata
 from polarkv_lib.manager.model import AllocStatus, Node, Residency
 from polarkv_lib.wire.orders import Order, TierOp
 from tests.unit.drive import allocate, answer, finish_lookup, lookup, start_lookup
-from tests.unit.test_tiering import CHUNK, FILE, K, add, new_md, store
+from tests.unit.tiering_setup import CHUNK, FILE, K, add, new_md, store
 
 
 def offloads(md: Metadata, node: Node) -> list[Order]:

@@ -35,7 +35,7 @@ from tests.unit.drive import (
     start_allocate,
     start_lookup,
 )
-from tests.unit.test_tiering import CHUNK, SUM, K, X, Y, add, adopt, fill, make, new_md, store
+from tests.unit.tiering_setup import CHUNK, SUM, K, X, Y, add, adopt, fill, make, new_md, store
 
 D = [f"{i:032x}" for i in range(100, 140)]  # keys of prompts stored on disk
 

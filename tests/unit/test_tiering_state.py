@@ -45,7 +45,7 @@ from tests.unit.invariants import (
     check_holders,
     check_memory_accounting,
 )
-from tests.unit.test_tiering import HB_TTL, READ_TTL, SUM, WRITE_TTL, KiB, key
+from tests.unit.tiering_setup import HB_TTL, READ_TTL, SUM, WRITE_TTL, KiB, key
 
 pytestmark = pytest.mark.timeout(300)  # a failing run spends minutes shrinking
 
