@@ -72,6 +72,10 @@ def test_manager_restart_restores_memory_and_disk_entries(
         again = _manager(cluster, port, metadata_url, "m2")
         assert "entries=" in again.log()
         wait_for(lambda: stats(url)["nodes"] == 1)  # the slab registers again, same incarnation
+        # Its rows come back once it has confirmed its memory (hashed by the slab) and
+        # adopted its files: a few moments after the registration, not with it.
+        tiers = ("keys_memory", "keys_disk")
+        wait_for(lambda: all(stats(url)[t] >= before[t] for t in tiers), timeout=30)
         after = stats(url)
         assert after["keys_memory"] == before["keys_memory"]
         assert after["keys_disk"] == before["keys_disk"]
