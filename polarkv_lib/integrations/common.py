@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
@@ -36,6 +37,9 @@ class AdapterSettings:
     connections: int = DEFAULTS.connections
 
 
+TOKEN_ENV = "POLARKV_SECURITY__TOKEN"  # the service's own name for security.token
+
+
 def settings_from_extra(extra: Mapping[str, Any] | None) -> AdapterSettings:
     """Read adapter settings from an engine's extra-config dict; ValueError if wrong."""
     extra = dict(extra or {})
@@ -53,7 +57,8 @@ def settings_from_extra(extra: Mapping[str, Any] | None) -> AdapterSettings:
     timeout = extra.get("timeout", DEFAULTS.timeout)
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError("PolarKV: 'timeout' must be a positive number of seconds")
-    token = extra.get("token")
+    # Engines log their extra config: the token may come from the environment instead.
+    token = extra.get("token") or os.environ.get(TOKEN_ENV)
     return AdapterSettings(
         manager_url=url,
         token=str(token) if token else None,
