@@ -33,7 +33,7 @@ import aiohttp
 
 from polarkv_lib.progress import progress
 from polarkv_lib.service import Service, running
-from polarkv_lib.shards import Shard
+from polarkv_lib.shards import shard_of
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.manager_load import (
     Driver,
@@ -85,14 +85,14 @@ class ShardRow:
 
 
 class Shards:
-    """Key -> owning shard URL, and the pair functions over all of them."""
+    """Which shard URL owns a key (the sharded client's rule), and keys that fill every
+    shard equally."""
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
-        self._shards = [Shard(i, len(urls)) for i in range(len(urls))]
 
     def owner(self, key: str) -> int:
-        return next(i for i, s in enumerate(self._shards) if s.owns(key))
+        return shard_of(key, len(self.urls))
 
     def split(self, keys: list[str]) -> dict[str, list[str]]:
         by_url: dict[str, list[str]] = {}
