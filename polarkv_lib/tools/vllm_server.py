@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polarkv_lib.tools.tiny_llama import TinyLlama
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 300.0  # a cold start on a busy 2-core machine takes a minute or more
 CONNECTOR_MODULE = "polarkv_lib.integrations.vllm"
@@ -254,3 +256,18 @@ class VllmServer:
             m.get("vllm:external_prefix_cache_queries_total", 0.0),
             m.get("vllm:external_prefix_cache_hits_total", 0.0),
         )
+
+
+def build_model(python: str, path: str, spec: TinyLlama) -> None:
+    """Build `spec` at `path` with the Python of the environment that will serve it (its
+    torch and transformers, not this process's); ServerError with its stderr if it fails."""
+    args = [python, "-m", "polarkv_lib.tools.tiny_llama", path]
+    for name, value in spec.__dict__.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise ServerError(f"could not build the model with {python}:\n{done.stderr[-2000:]}")

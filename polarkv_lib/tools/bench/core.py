@@ -9,12 +9,14 @@ measured back to back mostly sees the same load where the two best values may no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
 import statistics
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -209,3 +211,15 @@ def machine_text() -> str:
     return (
         f"{m['cpus']} CPUs, Linux {m['linux']}, Python {m['python']}, load average {m['loadavg']}"
     )
+
+
+@contextlib.contextmanager
+def workdir(keep: str, prefix: str) -> Iterator[str]:
+    """`keep` (created, and kept afterwards) if given, else a temporary directory that
+    is removed at the end: where a benchmark's servers keep their logs and models."""
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        yield keep
+    else:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield tmp

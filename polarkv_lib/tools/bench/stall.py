@@ -22,11 +22,9 @@ from the first configuration's).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +38,6 @@ from polarkv_lib.stats import percentile
 from polarkv_lib.tools.bench import core
 from polarkv_lib.tools.bench.ttft import (
     MODEL,
-    _build_model,
     _kv_bytes_per_token,
     _prompt,
     _wait_saves,
@@ -50,6 +47,7 @@ from polarkv_lib.tools.vllm_server import (
     ROOT,
     ServerError,
     VllmServer,
+    build_model,
     free_port,
     kv_transfer_config,
 )
@@ -211,7 +209,10 @@ def _measure(
 
 def run_plan(plan: Plan, workdir: str) -> tuple[list[Cell], dict[str, Any]]:
     model = os.path.join(workdir, "model")
-    _build_model(plan.python, model)
+    try:
+        build_model(plan.python, model, MODEL)
+    except ServerError as exc:
+        raise core.BenchError(str(exc)) from None
     expected: dict[tuple[int, ...], list[int]] = {}
     cells: list[Cell] = []
     tiers: dict[str, Any] = {}
@@ -287,12 +288,7 @@ def run(plan: Plan, json_path: str, keep: str) -> bool:
         )
     print(f"bench stall: {core.machine_text()}; model {MODEL}", flush=True)
     started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        if keep:
-            os.makedirs(keep, exist_ok=True)
-            workdir = keep
-        else:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="polarkv-stall-"))
+    with core.workdir(keep, "polarkv-stall-") as workdir:
         cells, tiers = run_plan(plan, workdir)
     print(render(cells))
     print(f"PolarKV at the end of each configuration: {tiers}")

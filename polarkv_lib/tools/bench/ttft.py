@@ -34,9 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -58,6 +56,7 @@ from polarkv_lib.tools.vllm_server import (
     ROOT,
     ServerError,
     VllmServer,
+    build_model,
     free_port,
     kv_transfer_config,
 )
@@ -120,19 +119,6 @@ def _sessions(length: int, concurrency: int) -> list[list[int]]:
 
 def _request(prefix: list[int], i: int, suffix: int) -> list[int]:
     return prefix + _prompt(-(i + 1) * 7919 - len(prefix), suffix)
-
-
-def _build_model(python: str, path: str) -> None:
-    args = [python, "-m", "polarkv_lib.tools.tiny_llama", path]
-    for name, value in MODEL.__dict__.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise core.BenchError(f"could not build the model with {python}:\n{done.stderr[-2000:]}")
 
 
 @contextlib.contextmanager
@@ -233,7 +219,10 @@ def _polarkv(config: str, plan: Plan, workdir: str, port: int) -> Service:
 
 def run_plan(plan: Plan, workdir: str) -> tuple[list[Cell], dict[str, Any]]:
     model = os.path.join(workdir, "model")
-    _build_model(plan.python, model)
+    try:
+        build_model(plan.python, model, MODEL)
+    except ServerError as exc:
+        raise core.BenchError(str(exc)) from None
     expected: dict[tuple[int, ...], list[int]] = {}
     cells: list[Cell] = []
     tiers: dict[str, Any] = {}
@@ -378,12 +367,7 @@ def run(
         )
     print(f"bench ttft: {core.machine_text()}; model {MODEL}", flush=True)
     started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        if keep:
-            os.makedirs(keep, exist_ok=True)
-            workdir = keep
-        else:
-            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="polarkv-bench-ttft-"))
+    with core.workdir(keep, "polarkv-bench-ttft-") as workdir:
         cells, tiers = run_plan(plan, workdir)
     rows = derived(cells)
     print(render(cells))

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from polarkv_lib.cluster import procs
 from polarkv_lib.cluster.spec import Vm
 from polarkv_lib.tools.bench.core import BenchError
 from polarkv_lib.tools.tiny_llama import TinyLlama
-from polarkv_lib.tools.vllm_server import ROOT, ServerError, VllmServer
+from polarkv_lib.tools.vllm_server import ServerError, VllmServer, build_model
 
 MODEL = TinyLlama(
     layers=4, hidden=256, heads=4, kv_heads=2, intermediate=704, vocab=4096, max_len=2048
@@ -87,19 +85,6 @@ def stream(
     return first, out, cached
 
 
-def build_model(python: str, path: str) -> None:
-    args = [python, "-m", "polarkv_lib.tools.tiny_llama", path]
-    for name, value in MODEL.__dict__.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise BenchError(f"could not build the model with {python}:\n{done.stderr[-2000:]}")
-
-
 @contextlib.contextmanager
 def servers_up(servers: list[VllmServer]) -> Iterator[list[VllmServer]]:
     try:
@@ -123,3 +108,11 @@ def counters(server: VllmServer) -> dict[str, float]:
         "local": m.get("vllm:prefix_cache_hits_total", 0.0),
         "external": m.get("vllm:external_prefix_cache_hits_total", 0.0),
     }
+
+
+def build_engine_model(python: str, path: str) -> None:
+    """The replay's model, built by the engines' own Python."""
+    try:
+        build_model(python, path, MODEL)
+    except ServerError as exc:
+        raise BenchError(str(exc)) from None

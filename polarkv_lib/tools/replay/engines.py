@@ -32,7 +32,7 @@ from polarkv_lib.tools.replay.engine_servers import (
     MODEL,
     VmServer,
     block,
-    build_model,
+    build_engine_model,
     counters,
     servers_up,
     stream,
@@ -307,7 +307,7 @@ def run(
     plan: EnginePlan, requests: list[Request], route: Callable[[int, Request], int]
 ) -> dict[str, Any]:
     model = os.path.join(plan.workdir, "model")
-    build_model(plan.python, model)
+    build_engine_model(plan.python, model)
     sample = sample_indices(len(requests), plan.sample)
     ref = reference(plan, model, requests, sample, "local" not in plan.layouts)
     rows: list[dict[str, Any]] = []
