@@ -9,7 +9,6 @@ polarkv admin stats|nodes|key|delete|drain   the admin API from a terminal
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from typing import NoReturn
 
@@ -111,7 +110,7 @@ def main(
     ctx.obj = {"config_path": config_path, "overrides": list(overrides), "log_format": log_format}
     if ctx.invoked_subcommand is not None:
         return
-    from polarkv_lib import logs, runner
+    from polarkv_lib import event_loop, logs, runner
 
     config = _config(ctx)
     try:
@@ -121,7 +120,9 @@ def main(
     logs.configure(config.log.format, config.log.level)
     json_line = config.log.format == "json"
     try:
-        asyncio.run(runner.run(config, role_set, ready_file, insecure=insecure))
+        event_loop.run(
+            runner.run(config, role_set, ready_file, insecure=insecure), config.runtime.event_loop
+        )
     except ConfigError as exc:
         _fail(str(exc), json_line=json_line)
     except KeyboardInterrupt:

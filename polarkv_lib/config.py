@@ -340,6 +340,15 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    event_loop: str = _opt(
+        "str",
+        "auto",
+        "auto (uvloop when installed), uvloop or asyncio: the event loop of each process",
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     manager: ManagerConfig = field(default_factory=ManagerConfig)
     slab: SlabConfig = field(default_factory=SlabConfig)
@@ -347,6 +356,7 @@ class Config:
     client: ClientConfig = field(default_factory=ClientConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 SECTIONS: dict[str, type[Any]] = {
@@ -356,6 +366,7 @@ SECTIONS: dict[str, type[Any]] = {
     "client": ClientConfig,
     "security": SecurityConfig,
     "log": LogConfig,
+    "runtime": RuntimeConfig,
 }
 
 
@@ -538,6 +549,11 @@ def validate(config: Config) -> None:
     need(c.connections >= 1, "client.connections", "must be >= 1")
     need(c.window >= 1, "client.window", "must be >= 1")
     need(config.log.format in ("console", "json"), "log.format", "console or json")
+    need(
+        config.runtime.event_loop in ("auto", "uvloop", "asyncio"),
+        "runtime.event_loop",
+        "auto, uvloop or asyncio",
+    )
     need(
         config.log.level in ("debug", "info", "warning", "error"),
         "log.level",

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 import structlog
 
+from polarkv_lib import event_loop
 from polarkv_lib.config import Config, parse_address
 from polarkv_lib.errors import ConfigError
 from polarkv_lib.logs import Events
@@ -150,7 +151,11 @@ async def run(
             loop.add_signal_handler(sig, stop.set)
             stack.callback(loop.remove_signal_handler, sig)
 
-        ready: dict[str, object] = {"pid": os.getpid(), "roles": sorted(roles)}
+        ready: dict[str, object] = {
+            "pid": os.getpid(),
+            "roles": sorted(roles),
+            "event_loop": event_loop.running(),
+        }
         if manager_sock is not None:
             manager = ManagerService(config)
             stack.push_async_callback(_bounded, manager.stop, "manager", MANAGER_STOP_BOUND)

@@ -40,6 +40,7 @@ LEAVES = (
     "polarkv_lib.tenancy",
     "polarkv_lib.progress",
     "polarkv_lib.stats",
+    "polarkv_lib.event_loop",
 )
 _BELOW_SERVICES = (
     "polarkv_lib.client",

@@ -340,7 +340,9 @@ class ManagerService:
     def _entry_view(
         self, entry: Entry, key: str, op: Op, ttl: float, nodes: dict[str, Any]
     ) -> dict[str, Any]:
-        nodes.setdefault(entry.node.node_id, self._node_view(entry.node))
+        node = entry.node
+        if node.node_id not in nodes:  # one view per node a reply names, built once
+            nodes[node.node_id] = self._node_view(node)
         return {
             "key": key,
             "node": entry.node.node_id,

@@ -15,6 +15,7 @@ can neither read nor overwrite the bytes of whoever holds that space next.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import struct
 import time
@@ -61,9 +62,37 @@ def epoch_key(grant_key: bytes, manager_incarnation: int) -> bytes:
     ).digest()
 
 
+class _Mac:
+    """HMAC-SHA256 of one key with its two padded key blocks hashed once: each grant
+    costs two `copy()`s of a started hash instead of building the HMAC from the key
+    (2 us instead of 5 us; a 64-key lookup signs 64 grants). Same bytes as hmac.new."""
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes) -> None:
+        block = sha256().block_size
+        if len(key) > block:
+            key = sha256(key).digest()
+        key = key.ljust(block, b"\0")
+        self._inner = sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = sha256(bytes(b ^ 0x5C for b in key))
+
+    def __call__(self, body: bytes) -> bytes:
+        inner = self._inner.copy()
+        inner.update(body)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()[:MAC_SIZE]
+
+
+@functools.lru_cache(maxsize=64)  # a process holds a few keys: its own and its shards'
+def _mac(key: bytes) -> _Mac:
+    return _Mac(key)
+
+
 def sign(grant: Grant, key: bytes) -> bytes:
     body = grant.body()
-    return body + hmac.new(key, body, sha256).digest()[:MAC_SIZE]
+    return body + _mac(key)(body)
 
 
 def decode(blob: bytes | bytearray | memoryview) -> Grant:
@@ -90,10 +119,7 @@ def verify(
     body = bytes(blob[:SIGNED_SIZE])
     mac = bytes(blob[SIGNED_SIZE:])
     candidates = (keys,) if isinstance(keys, bytes) else keys
-    if not any(
-        hmac.compare_digest(hmac.new(key, body, sha256).digest()[:MAC_SIZE], mac)
-        for key in candidates
-    ):
+    if not any(hmac.compare_digest(_mac(key)(body), mac) for key in candidates):
         raise AccessDenied("grant signature does not verify")
     grant = decode(blob)  # only a genuine grant is parsed
     if grant.incarnation != incarnation:

@@ -45,6 +45,7 @@ def run(
         ([], {"POLARKV_MANAGER__BOGUS": "1"}, "unknown config key 'manager.bogus'"),
         (["--set", "manager.memory_low_watermark=0.95"], {}, "manager.memory_low_watermark"),
         (["--set", "client.transport=carrier-pigeon"], {}, "client.transport"),
+        (["--set", "runtime.event_loop=trio"], {}, "runtime.event_loop: auto, uvloop or asyncio"),
         (["--config", "/nonexistent/polarkv.toml"], {}, "--config /nonexistent/polarkv.toml"),
         (["--role", "disk"], {}, "the disk role shares the slab's buffer in one process"),
         (["--role", "manager", "--role", "disk"], {}, "use --role slab --role disk"),

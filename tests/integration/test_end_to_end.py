@@ -131,3 +131,18 @@ def test_keyed_batches(cluster: Cluster) -> None:
             c.put_many(keys, values[:2])
         with pytest.raises(ValueError):
             c.lookup_keys(["not-a-key"])
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_each_event_loop_serves_split_roles(cluster: Cluster, loop: str) -> None:
+    """runtime.event_loop: the manager and the slab on the standard loop and on uvloop
+    (the default when installed) store and load the same bytes over tcp and shm."""
+    settings = {"runtime__event_loop": loop}
+    manager = cluster.manager(**settings)
+    slab = cluster.slab(manager.manager_url, **settings)
+    assert manager.info["event_loop"] == slab.info["event_loop"] == loop
+    for transport in ("tcp", "shm"):
+        ns = f"loop-{transport}"
+        stored = run_client("store", manager.manager_url, ns, transport, "8", str(1 << 20))
+        loaded = run_client("load", manager.manager_url, ns, transport, "8")
+        assert stored["stored"] == 8 and loaded["digests"] == stored["digests"]

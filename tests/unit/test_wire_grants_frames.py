@@ -262,3 +262,19 @@ def test_short_frame_is_protocol_error(which: str, delta: int) -> None:
 def test_encode_request_refuses_wrong_size_grant(size: int) -> None:
     with pytest.raises(ValueError, match="grant"):
         frames.encode_request(Op.READ, b"g" * size)
+
+
+@pytest.mark.parametrize("key_size", [1, 32, 64, 65, 200])
+def test_a_grant_mac_is_hmac_sha256_of_its_body_truncated(key_size: int) -> None:
+    """The precomputed-pad MAC is the standard HMAC: a slab built on any HMAC library,
+    or one of another version, verifies what the manager signed."""
+    import hashlib
+    import hmac as std_hmac
+
+    key = bytes(range(256))[:key_size]
+    blob = grants.sign(grants.Grant(grants.Op.READ, 7, 4096, 65536, 2**40, 3), key)
+    body = blob[: grants.SIGNED_SIZE]
+    assert blob[grants.SIGNED_SIZE :] == std_hmac.new(key, body, hashlib.sha256).digest()[:16]
+    assert grants.verify(blob, key, 7, 2**20, now_ms=0).offset == 4096
+    with pytest.raises(AccessDenied):
+        grants.verify(blob, key + b"x", 7, 2**20, now_ms=0)

@@ -13,6 +13,8 @@ import sys
 
 from aiohttp import web
 
+from polarkv_lib import event_loop
+
 
 async def _serve(ready_file: str) -> None:
     replies: dict[int, bytes] = {}
@@ -40,6 +42,7 @@ async def _serve(ready_file: str) -> None:
 
 if __name__ == "__main__":
     try:
-        asyncio.run(_serve(sys.argv[1]))
+        # the loop the manager under test runs on (runtime.event_loop), for a like ratio
+        event_loop.run(_serve(sys.argv[1]), os.environ.get("POLARKV_RUNTIME__EVENT_LOOP", "auto"))
     except KeyboardInterrupt:
         pass
