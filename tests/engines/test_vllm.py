@@ -68,7 +68,7 @@ from polarkv_lib.integrations.vllm import (
     PolarKVConnectorMetadata,
     SaveOp,
 )
-from polarkv_lib.integrations.vllm_setup import chunk_tokens_for
+from polarkv_lib.integrations.vllm_setup import PolarKVStats, chunk_tokens_for
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 BLOCK, HEADS, HEAD_SIZE = 16, 2, 16
@@ -954,6 +954,20 @@ def test_a_stopped_polarkv_never_stalls_the_step_in_wait_for_save(
         os.kill(polarkv.pid, signal.SIGCONT)
         assert connector.flush_saves(30)
         connector.shutdown()
+
+
+def test_save_step_stats_sum_over_workers_but_keep_the_longest_step() -> None:
+    a = PolarKVStats(
+        data={"save_steps": 2, "save_step_seconds": 0.003, "save_step_max_seconds": 0.002}
+    )
+    b = PolarKVStats(
+        data={"save_steps": 1, "save_step_seconds": 0.004, "save_step_max_seconds": 0.004}
+    )
+    out = a.aggregate(b).reduce()
+    assert out["polarkv_save_steps"] == 3
+    assert out["polarkv_avg_save_step_ms"] == pytest.approx(7 / 3, abs=0.001)
+    assert out["polarkv_max_save_step_ms"] == 4.0
+    assert "polarkv_save_step_seconds" not in out  # shown as the average and the max
 
 
 # -- 4. PolarKV down: misses, and the engine goes on ---------------------------------------
