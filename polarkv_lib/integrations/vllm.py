@@ -15,6 +15,7 @@ in vllm_setup.py, loads in vllm_loads.py, the page view and saver in vllm_pages.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +33,7 @@ from polarkv_lib.integrations.vllm_pages import Saver, page_view
 from polarkv_lib.integrations.vllm_setup import (
     CHUNK_FORMAT,
     ConnectorStats,
+    PolarKVPromMetrics,
     PolarKVStats,
     StatsInterval,
     chunk_tokens_for,
@@ -431,9 +433,19 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # chunks are gathered once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
+        """Gather this step's chunks and hand them to the saver: the step pays for the
+        gather only (timed in save_step_seconds); Saver.submit never waits, and a full
+        queue drops the save."""
         meta = self._connector_metadata
         if not isinstance(meta, PolarKVConnectorMetadata) or not meta.saves:
             return
+        started = time.perf_counter()
+        try:
+            self._save_step(meta)
+        finally:
+            self.stats.record_save_step(time.perf_counter() - started)
+
+    def _save_step(self, meta: PolarKVConnectorMetadata) -> None:
         for op in meta.saves:
             if op.req_id in self._failed_reqs or self._saver is None or not self._pages:
                 continue  # computed after a failed load: not this step's KV to keep
@@ -485,6 +497,17 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return PolarKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """PolarKV's counters in vLLM's /metrics (vllm:polarkv_*)."""
+        return PolarKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def flush_loads(self, timeout: float = 10.0) -> bool:
         """Wait for the asynchronous loads submitted so far to end (tests)."""

@@ -11,7 +11,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from polarkv_lib.integrations.common import AdapterSettings, namespace
@@ -65,10 +68,26 @@ class ConnectorStats:
     failed_load_blocks: int = 0
     saved_chunks: int = 0
     failed_saves: int = 0
-    dropped_saves: int = 0
+    dropped_saves: int = 0  # the saver's queue was full: not stored (a later miss)
+    # What wait_for_save costs the step (the gather and the hand-off to the saver; the
+    # network and the disk are the saver thread's): steps that saved, their seconds, and
+    # the longest since the last interval (StatsInterval resets it).
+    save_steps: int = 0
+    save_step_seconds: float = 0.0
+    save_step_max_seconds: float = 0.0
 
     def snapshot(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}
+
+    def record_save_step(self, seconds: float) -> None:
+        self.save_steps += 1
+        self.save_step_seconds += seconds
+        self.save_step_max_seconds = max(self.save_step_max_seconds, seconds)
+
+
+# Keys that are an interval's maximum, not a rise: aggregated with max, not summed.
+MAX_KEYS = frozenset({"save_step_max_seconds"})
+SECONDS_KEYS = frozenset({"load_seconds", "save_step_seconds", "save_step_max_seconds"})
 
 
 @dataclass
@@ -83,22 +102,94 @@ class PolarKVStats(KVConnectorStats):  # type: ignore[misc]
 
     def aggregate(self, other: Any) -> PolarKVStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            if key in MAX_KEYS:
+                self.data[key] = max(self.data.get(key, 0), value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {
-            f"polarkv_{k}": (round(v, 4) if k == "load_seconds" else int(v))
+            f"polarkv_{k}": (round(v, 4) if k in SECONDS_KEYS else int(v))
             for k, v in self.data.items()
-            if v
+            if v and k not in SECONDS_KEYS - {"load_seconds"}
         }
         loads = self.data.get("loads", 0)
         if loads and self.data.get("load_seconds"):
             out["polarkv_avg_load_ms"] = round(1000 * self.data["load_seconds"] / loads, 2)
+        steps = self.data.get("save_steps", 0)
+        if steps:
+            out["polarkv_avg_save_step_ms"] = round(
+                1000 * self.data.get("save_step_seconds", 0) / steps, 3
+            )
+            out["polarkv_max_save_step_ms"] = round(
+                1000 * self.data.get("save_step_max_seconds", 0), 3
+            )
         return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+# The counters vLLM's /metrics shows, as vllm:polarkv_<key>_total (seconds in seconds).
+PROM_COUNTERS: dict[str, str] = {
+    "lookups": "Manager lookups by the scheduler (one per request)",
+    "lookup_faults": "Lookups that timed out or failed (each a miss)",
+    "hit_tokens": "Prompt tokens PolarKV had and the scheduler chose to load",
+    "loads": "Load operations started (one per request and step)",
+    "cancelled_loads": "Loads cancelled: the request finished or was aborted while loading",
+    "loaded_chunks": "Chunks loaded from PolarKV into vLLM's KV cache",
+    "loaded_tokens": "Tokens loaded from PolarKV into vLLM's KV cache",
+    "load_seconds": "Seconds the loads took, summed over loads",
+    "failed_load_blocks": "KV blocks a load did not fill (recomputed by vLLM)",
+    "saved_chunks": "Chunks stored in PolarKV",
+    "failed_saves": "Saves that failed (gather, network or PolarKV)",
+    "dropped_saves": "Saves dropped because the saver's queue was full",
+    "save_steps": "Steps in which wait_for_save gathered chunks to save",
+    "save_step_seconds": "Seconds wait_for_save spent on the step, summed over steps",
+}
+
+
+class PolarKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """PolarKV's counters in vLLM's Prometheus /metrics, beside its prefix-cache ones:
+    vLLM hands observe() each interval's PolarKVStats data, summed over workers."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, doc in PROM_COUNTERS.items():
+            metric = self._counter_cls(
+                name=f"vllm:polarkv_{key}",
+                documentation=f"PolarKV: {doc}.",
+                labelnames=labelnames,
+            )
+            self._counters[key] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+        gauge = self._gauge_cls(
+            name="vllm:polarkv_save_step_max_seconds",
+            documentation="PolarKV: the longest wait_for_save of the last interval, seconds.",
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        self._max_save_step = {
+            idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, counters in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value > 0 and engine_idx in counters:
+                counters[engine_idx].inc(value)
+        longest = transfer_stats_data.get("save_step_max_seconds")
+        if longest is not None and engine_idx in self._max_save_step:
+            self._max_save_step[engine_idx].set(longest)
 
 
 class StatsInterval:
@@ -111,6 +202,10 @@ class StatsInterval:
     def take(self) -> Any:
         now = self._stats.snapshot()
         rise = {k: v - self._last.get(k, 0.0) for k, v in now.items()}
+        for key in MAX_KEYS:  # the interval's maximum, then a new interval
+            rise[key] = now[key]
+            setattr(self._stats, key, 0.0)
+            now[key] = 0.0
         self._last = now
         rise = {k: v for k, v in rise.items() if v}
         return PolarKVStats(data=rise) if rise else None

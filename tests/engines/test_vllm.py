@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -66,7 +68,7 @@ from polarkv_lib.integrations.vllm import (
     PolarKVConnectorMetadata,
     SaveOp,
 )
-from polarkv_lib.integrations.vllm_setup import chunk_tokens_for
+from polarkv_lib.integrations.vllm_setup import PolarKVStats, chunk_tokens_for
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 BLOCK, HEADS, HEAD_SIZE = 16, 2, 16
@@ -913,6 +915,59 @@ def test_slab_killed_between_lookup_and_load_reports_every_block(
         a.shutdown()
         b.shutdown()
         scheduler_side.shutdown()
+
+
+def test_a_stopped_polarkv_never_stalls_the_step_in_wait_for_save(
+    model_config: ModelConfig, cluster: Cluster
+) -> None:
+    """PolarKV SIGSTOPped (it accepts connections and never answers): the step pays for
+    the gather and the hand-off only; the saver's thread waits, and once its bounded
+    queue is full the step's saves are dropped, counted, never waited for."""
+    polarkv = cluster.embedded()
+    config = vllm_config(model_config, polarkv.manager_url)
+    kcc = kv_cache_config(config)
+    caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BLOCK])
+    fill_random(caches, seed=11)
+    connector = worker(config, kcc, caches)
+    assert connector._saver is not None
+    connector._saver._max = 2 * connector.chunk_bytes  # room for one two-chunk save
+    blocks = list(range(2 * PER_CHUNK))
+    steps = 6
+    os.kill(polarkv.pid, signal.SIGSTOP)
+    try:
+        costs = []
+        for step in range(steps):
+            tokens = prompt(200 + step, 2 * CHUNK)
+            started = time.perf_counter()
+            run_step(connector, PolarKVConnectorMetadata(saves=[SaveOp("r", tokens, blocks, 0)]))
+            costs.append(time.perf_counter() - started)
+        # The client's timeout is 1 s: a step that waited on PolarKV would show it.
+        assert max(costs) < 0.5, costs
+        assert connector.stats.save_steps == steps
+        assert connector.stats.save_step_max_seconds < 0.5
+        assert connector.stats.dropped_saves >= steps - 2
+        interval = connector.get_kv_connector_stats().reduce()
+        assert interval["polarkv_save_steps"] == steps
+        assert 0 < interval["polarkv_max_save_step_ms"] < 500
+        assert connector.stats.save_step_max_seconds == 0  # a new interval
+    finally:
+        os.kill(polarkv.pid, signal.SIGCONT)
+        assert connector.flush_saves(30)
+        connector.shutdown()
+
+
+def test_save_step_stats_sum_over_workers_but_keep_the_longest_step() -> None:
+    a = PolarKVStats(
+        data={"save_steps": 2, "save_step_seconds": 0.003, "save_step_max_seconds": 0.002}
+    )
+    b = PolarKVStats(
+        data={"save_steps": 1, "save_step_seconds": 0.004, "save_step_max_seconds": 0.004}
+    )
+    out = a.aggregate(b).reduce()
+    assert out["polarkv_save_steps"] == 3
+    assert out["polarkv_avg_save_step_ms"] == pytest.approx(7 / 3, abs=0.001)
+    assert out["polarkv_max_save_step_ms"] == 4.0
+    assert "polarkv_save_step_seconds" not in out  # shown as the average and the max
 
 
 # -- 4. PolarKV down: misses, and the engine goes on ---------------------------------------

@@ -163,6 +163,16 @@ def test_second_instance_loads_the_prefix_from_polarkv(setup: Setup) -> None:
     assert setup.a.external_hits()[1] - a_hits == PREFIX
     # PolarKV's figures reach vLLM's own connector statistics, logged beside its others.
     wait_for(lambda: "polarkv_loaded_tokens=" in setup.b.log_text(), timeout=60)
+    # ... and its /metrics, beside vLLM's prefix-cache counters.
+    wait_for(lambda: setup.b.metrics().get("vllm:polarkv_loaded_tokens_total", 0) >= PREFIX)
+    b_metrics = setup.b.metrics()
+    assert b_metrics["vllm:polarkv_hit_tokens_total"] >= PREFIX
+    assert b_metrics["vllm:polarkv_load_seconds_total"] > 0
+    assert b_metrics.get("vllm:polarkv_failed_load_blocks_total", 0) == 0
+    # A stored the prefix: wait_for_save's cost per step is counted there.
+    a_metrics = setup.a.metrics()
+    assert a_metrics["vllm:polarkv_save_steps_total"] >= 1
+    assert a_metrics["vllm:polarkv_saved_chunks_total"] >= PREFIX // CHUNK
     for server in (setup.a, setup.b):
         assert_clean_log(server)
 

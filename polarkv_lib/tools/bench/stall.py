@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 import threading
 import time
@@ -80,6 +81,11 @@ class Cell:
     hit_tokens: int = 0
     wrong: int = 0
     short_streams: int = 0  # streams that ended before the window did
+    # What wait_for_save cost the steps that saved (the connector's counters in /metrics;
+    # the max from its logged intervals, "polarkv_max_save_step_ms").
+    save_steps: int = 0
+    save_step_seconds: float = 0.0
+    save_step_max_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -93,6 +99,11 @@ class Cell:
             "hit_tokens": self.hit_tokens,
             "wrong_tokens": self.wrong,
             "short_streams": self.short_streams,
+            "save_steps": self.save_steps,
+            "save_step_avg_s": round(self.save_step_seconds / self.save_steps, 6)
+            if self.save_steps
+            else 0.0,
+            "save_step_max_s": round(self.save_step_max_s, 6),
         }
 
 
@@ -199,12 +210,32 @@ def _measure(
         stamps = times[i]
         cell.gaps += [b - a for a, b in itertools.pairwise(stamps) if start < b <= end]
         cell.short_streams += not stamps or stamps[-1] < end
+    # Over the server's whole run: the saves are those of the prefixes stored beforehand
+    # (the window's requests complete no new chunk).
+    _save_cost(cell, server, {}, 0)
     if config == "vllm":  # the arrivals' reference tokens (and TTFT computing them)
         for prompt in arriving:
             first, _, tokens = server.stream(prompt, ARRIVAL_GEN, 600.0)
             cell.ttft.append(first)
             expected[tuple(prompt)] = tokens
     return cell
+
+
+MAX_SAVE_STEP = re.compile(r"polarkv_max_save_step_ms=([0-9.]+)")
+
+
+def _save_cost(cell: Cell, server: VllmServer, before: dict[str, float], log_from: int) -> None:
+    """wait_for_save's cost on the steps since `before` (the metrics then) and the log
+    from `log_from`, from the connector's stats."""
+    after = server.metrics()
+
+    def rise(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    cell.save_steps = int(rise("vllm:polarkv_save_steps_total"))
+    cell.save_step_seconds = rise("vllm:polarkv_save_step_seconds_total")
+    logged = [float(m) / 1000 for m in MAX_SAVE_STEP.findall(server.log_text()[log_from:])]
+    cell.save_step_max_s = max(logged, default=0.0)
 
 
 def run_plan(plan: Plan, workdir: str) -> tuple[list[Cell], dict[str, Any]]:
@@ -253,6 +284,8 @@ def render(cells: list[Cell]) -> str:
             "p99 vs vLLM",
             "TTFT p50 ms",
             "hit tokens",
+            "save ms/step avg",
+            "save ms/step max",
             "notes",
         ]
     ]
@@ -275,6 +308,8 @@ def render(cells: list[Cell]) -> str:
                 vs,
                 f"{percentile(c.ttft, 0.5) * 1000:.0f}",
                 str(c.hit_tokens),
+                f"{1000 * c.save_step_seconds / c.save_steps:.2f}" if c.save_steps else "",
+                f"{1000 * c.save_step_max_s:.2f}" if c.save_step_max_s else "",
                 "; ".join(notes),
             ]
         )
