@@ -189,9 +189,10 @@ def jobs_from_replay(
     result: Mapping[str, Any], trace: Sequence[Request], engines: int, no_cache: bool = False
 ) -> tuple[list[Job], int]:
     """Join a replay's `--per-request` JSON with its trace, request by request (the replay
-    keeps trace order). Returns the jobs and the number of caches (VM groups): a replay
-    with --nodes N has N caches, one per inference node, so request i runs on the engine
-    of its cache; with one cache, requests go round-robin over the engines."""
+    keeps trace order). Returns the jobs and the number of caches (VM groups). With one
+    cache, requests go round-robin over the engines; a replay with --nodes N has N
+    per-node caches, each serving engines / N engines, and a request goes round-robin
+    over the engines of the cache the replay routed it to."""
     per = result.get("per_request")
     if not isinstance(per, list):
         raise PaperHardwareError(
@@ -203,8 +204,12 @@ def jobs_from_replay(
     if len(per) > len(trace):
         raise PaperHardwareError(f"{len(per)} replayed requests but {len(trace)} in the trace")
     caches = int(result.get("nodes") or 1)
-    if caches > 1 and caches != engines:
-        raise PaperHardwareError(f"a replay over {caches} per-node caches needs {caches} engines")
+    if engines < 1 or engines % caches:
+        raise PaperHardwareError(
+            f"a replay over {caches} per-node caches needs a multiple of {caches} engines"
+        )
+    per_cache = engines // caches
+    sent = [0] * caches
     block_tokens, block_bytes = int(result["block_tokens"]), int(result["block_bytes_full"])
     start = trace[0].timestamp_ms if trace else 0.0
     jobs = []
@@ -225,10 +230,14 @@ def jobs_from_replay(
         hits = 0 if no_cache else row["hit_blocks"]
         disk = 0 if no_cache else min(row["hit_disk"], hits)
         cache = row["cache"] if caches > 1 else 0
+        if cache >= caches:
+            raise PaperHardwareError(f"per_request[{i}]: cache {cache} of {caches}")
+        engine = cache * per_cache + sent[cache] % per_cache
+        sent[cache] += 1
         jobs.append(
             Job(
                 (req.timestamp_ms - start) / 1000.0,
-                cache if caches > 1 else i % engines,
+                engine,
                 cache,
                 req.input_length,
                 min(hits * block_tokens, req.input_length),
