@@ -262,6 +262,10 @@ def model_run(
     base, _ = jobs_from_replay(result, trace, engines, no_cache=True)
     ttft = simulate(jobs, pool, prefill, engines, caches)
     none = simulate(base, pool, prefill, engines, caches)
+    # the same with the attention term left out: what the attention term adds
+    linear = TtftModel(0.0, prefill.b, 0.0)
+    linear_ttft = simulate(jobs, pool, linear, engines, caches)
+    linear_none = simulate(base, pool, linear, engines, caches)
     span = max(j.arrival_s for j in jobs) if jobs else 0.0
     work = sum(prefill.prefill_s(j.prompt, 0) for j in base)
     return {
@@ -280,7 +284,16 @@ def model_run(
         "offered_load_no_cache": round(work / span / engines, 3) if span > 0 else None,
         "ttft_s": spread(ttft),
         "ttft_no_cache_s": spread(none),
-        "ttft_mean_reduction": round(1 - statistics.fmean(ttft) / statistics.fmean(none), 4)
-        if jobs and statistics.fmean(none) > 0
-        else 0.0,
+        "ttft_mean_reduction": _reduction(ttft, none),
+        "without_attention": {
+            "ttft_s": spread(linear_ttft),
+            "ttft_no_cache_s": spread(linear_none),
+            "ttft_mean_reduction": _reduction(linear_ttft, linear_none),
+        },
     }
+
+
+def _reduction(ttft: Sequence[float], base: Sequence[float]) -> float:
+    if not ttft or statistics.fmean(base) <= 0:
+        return 0.0
+    return round(1 - statistics.fmean(ttft) / statistics.fmean(base), 4)
