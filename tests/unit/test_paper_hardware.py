@@ -72,6 +72,9 @@ def test_second_of_two_simultaneous_loads_waits_for_the_nic() -> None:
     # a disk hit streams through the NIC and finishes no earlier than the disk
     disk = Pool("disk", vms=1, nic=1000.0, disk=500.0)
     assert simulate([Job(0.0, 0, 0, 1, 1, 0.0, 1000.0)], disk, free, 1) == pytest.approx([2.0])
+    # a store does not delay its own request but the next load on that NIC
+    stored = [Job(0.0, 0, 0, 1, 1, 0.0, 0.0, 1000.0), Job(0.0, 1, 0, 1, 1, 1000.0, 0.0)]
+    assert simulate(stored, pool, free, engines=2) == pytest.approx([0.0, 2.0])
 
 
 def test_one_engine_queues_in_arrival_order() -> None:
@@ -134,6 +137,10 @@ def test_per_node_caches_map_to_their_engines() -> None:
         row["cache"] = i % 2
     jobs, caches = jobs_from_replay(result, _trace(4), engines=4)
     assert caches == 2 and [j.engine for j in jobs] == [0, 2, 1, 3]
+    # all 20 blocks missed: each request stores them; with no cache nothing is stored
+    assert jobs[0].store_bytes == 20 * QWEN.kv_bytes_per_token * 512
+    none, _ = jobs_from_replay(result, _trace(4), engines=4, no_cache=True)
+    assert all(j.store_bytes == 0 and j.cached == 0 for j in none)
     with pytest.raises(PaperHardwareError, match="multiple of 2 engines"):
         jobs_from_replay(result, _trace(4), engines=3)
 

@@ -36,13 +36,16 @@ cache (the manager allocates over all slab nodes). On each VM, memory hits occup
 NIC for bytes / NIC rate; disk hits occupy the VM's disk for bytes / disk rate and,
 streamed as they are reloaded (PolarKV reloads a block into the paired slab, then the
 client reads it), the NIC for bytes / NIC rate, finishing no earlier than the disk.
-Each NIC and disk is a FIFO server: a load starts when its request starts and the server
-is free. The engines are FIFO servers too, as in `TtftModel.predict`: a request starts
+The blocks a request misses are stored while it prefills: the engine does not wait for
+them, but they take NIC time on the VMs, and disk time where the pool has disk (written
+through in disk-only, offloaded from the small memory tier in tiered). Each NIC and disk
+is a FIFO server: a load starts when its request starts and the server is free. The engines are FIFO servers too, as in `TtftModel.predict`: a request starts
 when it has arrived and its engine is free, loads (the engine waits: the load is part of
 its service, as in the calibrated model), then prefills the rest; TTFT = the end of its
 prefill - its arrival.
 
-Left out: batching of prefills on one engine, the inference node's own NIC (assumed
+Left out: batching of prefills on one engine, fair sharing of a NIC (FIFO makes a
+small load wait for a large one ahead of it), stores of blocks that were already there, the inference node's own NIC (assumed
 faster than the pool's), the engine recomputing a hit that would load slower than it
 computes, and any software cost of the cache (3FS's or PolarKV's): at equal hit rates
 and equal hardware the model rates designs alike.
@@ -136,6 +139,7 @@ class Job:
     cached: int
     memory_bytes: float
     disk_bytes: float
+    store_bytes: float = 0.0  # the missed blocks, stored once computed
 
 
 def simulate(
@@ -177,6 +181,14 @@ def simulate(
                 sent = max(disk_start, nic_free[v]) + disk / pool.nic
                 nic_free[v] = max(sent, disk_free[v])
                 loaded = max(loaded, nic_free[v])
+        for v in vms if job.store_bytes > 0 else ():
+            # the computed blocks are written during the prefill (the engine does not
+            # wait for them) and take NIC time, then disk time when the pool has disk
+            # (written through, or offloaded there later: memory is a few % of the data)
+            store = job.store_bytes / len(vms)
+            nic_free[v] = max(loaded, nic_free[v]) + store / pool.nic
+            if pool.disk > 0:
+                disk_free[v] = max(loaded, disk_free[v]) + store / pool.disk
         engine_free[e] = loaded + prefill.prefill_s(job.prompt, job.cached)
         out[index] = engine_free[e] - job.arrival_s
     return out
@@ -243,6 +255,7 @@ def jobs_from_replay(
                 min(hits * block_tokens, req.input_length),
                 (hits - disk) * block_bytes,
                 disk * block_bytes,
+                0 if no_cache else (row["blocks"] - hits) * block_bytes,
             )
         )
     return jobs, caches
