@@ -72,9 +72,12 @@ def test_second_of_two_simultaneous_loads_waits_for_the_nic() -> None:
     # a disk hit streams through the NIC and finishes no earlier than the disk
     disk = Pool("disk", vms=1, nic=1000.0, disk=500.0)
     assert simulate([Job(0.0, 0, 0, 1, 1, 0.0, 1000.0)], disk, free, 1) == pytest.approx([2.0])
-    # a store does not delay its own request but the next load on that NIC
-    stored = [Job(0.0, 0, 0, 1, 1, 0.0, 0.0, 1000.0), Job(0.0, 1, 0, 1, 1, 1000.0, 0.0)]
-    assert simulate(stored, pool, free, engines=2) == pytest.approx([0.0, 2.0])
+    # a store does not delay its own request, nor loads from memory (the NIC's other
+    # direction), but the next load from disk
+    stored = [Job(0.0, 0, 0, 1, 1, 0.0, 0.0, 500.0), Job(0.0, 1, 0, 1, 1, 1000.0, 0.0)]
+    assert simulate(stored, disk, free, engines=2) == pytest.approx([0.0, 1.0])
+    stored[1] = Job(0.0, 1, 0, 1, 1, 0.0, 1000.0)
+    assert simulate(stored, disk, free, engines=2) == pytest.approx([0.0, 3.0])
 
 
 def test_one_engine_queues_in_arrival_order() -> None:

@@ -37,8 +37,10 @@ NIC for bytes / NIC rate; disk hits occupy the VM's disk for bytes / disk rate a
 streamed as they are reloaded (PolarKV reloads a block into the paired slab, then the
 client reads it), the NIC for bytes / NIC rate, finishing no earlier than the disk.
 The blocks a request misses are stored while it prefills: the engine does not wait for
-them, but they take NIC time on the VMs, and disk time where the pool has disk (written
-through in disk-only, offloaded from the small memory tier in tiered). Each NIC and disk
+them; they reach the VMs over the NICs' inbound direction (full duplex: no contention
+with loads, which leave the VMs) and take disk time where the pool has disk (written
+through in disk-only, offloaded from the small memory tier in tiered; the disk's
+throughput is shared by reads and writes). Each NIC and disk
 is a FIFO server: a load starts when its request starts and the server is free. The engines are FIFO servers too, as in `TtftModel.predict`: a request starts
 when it has arrived and its engine is free, loads (the engine waits: the load is part of
 its service, as in the calibrated model), then prefills the rest; TTFT = the end of its
@@ -181,14 +183,12 @@ def simulate(
                 sent = max(disk_start, nic_free[v]) + disk / pool.nic
                 nic_free[v] = max(sent, disk_free[v])
                 loaded = max(loaded, nic_free[v])
-        for v in vms if job.store_bytes > 0 else ():
+        for v in vms if job.store_bytes > 0 and pool.disk > 0 else ():
             # the computed blocks are written during the prefill (the engine does not
-            # wait for them) and take NIC time, then disk time when the pool has disk
-            # (written through, or offloaded there later: memory is a few % of the data)
-            store = job.store_bytes / len(vms)
-            nic_free[v] = max(loaded, nic_free[v]) + store / pool.nic
-            if pool.disk > 0:
-                disk_free[v] = max(loaded, disk_free[v]) + store / pool.disk
+            # wait for them): into the VMs over the NICs' other direction (full duplex,
+            # no contention with loads), then onto the disk, through which every block
+            # passes (written through, or offloaded: memory is a few % of the data)
+            disk_free[v] = max(loaded, disk_free[v]) + job.store_bytes / len(vms) / pool.disk
         engine_free[e] = loaded + prefill.prefill_s(job.prompt, job.cached)
         out[index] = engine_free[e] - job.arrival_s
     return out
