@@ -59,7 +59,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from polarkv_lib.tools.plan import Prices, load_prices
@@ -275,10 +275,13 @@ def model_run(
     base, _ = jobs_from_replay(result, trace, engines, no_cache=True)
     ttft = simulate(jobs, pool, prefill, engines, caches)
     none = simulate(base, pool, prefill, engines, caches)
-    # the same with the attention term left out: what the attention term adds
+    # the same with the attention term left out, and with stores left off the disks:
+    # what each adds
     linear = TtftModel(0.0, prefill.b, 0.0)
     linear_ttft = simulate(jobs, pool, linear, engines, caches)
     linear_none = simulate(base, pool, linear, engines, caches)
+    unstored = [replace(j, store_bytes=0.0) for j in jobs]
+    unstored_ttft = simulate(unstored, pool, prefill, engines, caches)
     span = max(j.arrival_s for j in jobs) if jobs else 0.0
     work = sum(prefill.prefill_s(j.prompt, 0) for j in base)
     return {
@@ -302,6 +305,10 @@ def model_run(
             "ttft_s": spread(linear_ttft),
             "ttft_no_cache_s": spread(linear_none),
             "ttft_mean_reduction": _reduction(linear_ttft, linear_none),
+        },
+        "without_stores": {
+            "ttft_s": spread(unstored_ttft),
+            "ttft_mean_reduction": _reduction(unstored_ttft, none),
         },
     }
 
