@@ -39,18 +39,19 @@ client reads it), the NIC for bytes / NIC rate, finishing no earlier than the di
 The blocks a request misses are stored while it prefills: the engine does not wait for
 them; they reach the VMs over the NICs' inbound direction (full duplex: no contention
 with loads, which leave the VMs) and take disk time where the pool has disk (written
-through in disk-only, offloaded from the small memory tier in tiered; the disk's
-throughput is shared by reads and writes). Each NIC and disk
-is a FIFO server: a load starts when its request starts and the server is free. The engines are FIFO servers too, as in `TtftModel.predict`: a request starts
-when it has arrived and its engine is free, loads (the engine waits: the load is part of
-its service, as in the calibrated model), then prefills the rest; TTFT = the end of its
-prefill - its arrival.
+through in disk-only, offloaded from the small memory tier in tiered; a disk's
+throughput is shared by reads and writes). Each NIC and disk is a FIFO server: a load
+starts when its request starts and the server is free. The engines are FIFO servers
+too, as in `TtftModel.predict`: a request starts when it has arrived and its engine is
+free, loads (the engine waits: the load is part of its service, as in the calibrated
+model), then prefills the rest; TTFT = the end of its prefill - its arrival.
 
-Left out: batching of prefills on one engine, fair sharing of a NIC (FIFO makes a
-small load wait for a large one ahead of it), stores of blocks that were already there, the inference node's own NIC (assumed
-faster than the pool's), the engine recomputing a hit that would load slower than it
-computes, and any software cost of the cache (3FS's or PolarKV's): at equal hit rates
-and equal hardware the model rates designs alike.
+Left out: batching of prefills on one engine; fair sharing of a NIC or disk (FIFO makes
+a small load wait for a large one ahead of it); skipping the store of a missed block
+that is already there (every missed block is charged); the inference node's own NIC
+(taken as faster than the pool's); the engine recomputing a hit that would load slower
+than it computes; any software cost of the cache (3FS's, Mooncake's or PolarKV's): at
+equal hit rates on equal hardware only the tiers' rates and queues tell designs apart.
 """
 
 from __future__ import annotations
