@@ -12,7 +12,7 @@ of each run) and one plot per scenario go to --out; raw per-request JSON to benc
 (polarkv_lib/tools/replay/paper_hardware.py), beside the fixed-rate model's.
 
     scripts/replay_scenarios.py --requests 2000 --out docs/results
-    scripts/replay_scenarios.py --hardware paper --engines 4,12 --replot
+    scripts/replay_scenarios.py --hardware paper --engines 4,16,64 [--model deepseek-r1] [--replot]
 """
 
 from __future__ import annotations
