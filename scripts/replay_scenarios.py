@@ -8,8 +8,11 @@ results: docs/EVALUATION.md, docs/PAPER-RESULTS.md).
 Sizes are the plan's bytes divided by --scale, as are the blocks' bytes, so every
 capacity keeps its ratio to the trace's working set. Summaries (with the exact command
 of each run) and one plot per scenario go to --out; raw per-request JSON to bench-out/.
+`--hardware paper` adds to each run its TTFT on the paper's hardware, modelled
+(polarkv_lib/tools/replay/paper_hardware.py), beside the fixed-rate model's.
 
     scripts/replay_scenarios.py --requests 2000 --out docs/results
+    scripts/replay_scenarios.py --hardware paper --engines 4,16,64 [--model deepseek-r1] [--replot]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "qwen3-235b-a22b"  # the paper's equal-budget comparison ran Qwen3-235B-A22B
+MODELS = {"qwen3-235b": "qwen3-235b-a22b", "deepseek-r1": "deepseek-r1"}
 BUDGET, BANDWIDTH = "18400", "12GB/s"  # its pool budget (CNY/month) and bandwidth floor
 LOAD_BW, DISK_BW = "3GB/s", "1.5GB/s"  # modelled per-request rates (docs/EVALUATION.md)
 NODES = 4  # inference nodes in scenario (b)
@@ -31,6 +35,51 @@ NODES = 4  # inference nodes in scenario (b)
 
 def polarkv(*args: str) -> list[str]:
     return [sys.executable, str(ROOT / "polarkv.py"), *args]
+
+
+def paper_hardware(
+    key: str,
+    results: dict[str, dict[str, Any]],
+    designs: dict[str, dict[str, Any]],
+    trace_path: str,
+    model: str,
+    engine_counts: list[int],
+) -> None:
+    """Add `paper_hardware` (one entry per engine count) to each run of scenario `key`."""
+    from polarkv_lib.tools.presets import preset
+    from polarkv_lib.tools.replay.paper_hardware import model_run, pool_from_plan
+    from polarkv_lib.tools.replay.trace import load_trace
+
+    memory = designs["memory_only"]
+    # each run's pool: (a) its own design; (b) the memory-only design's VMs, and for the
+    # tiered run the tiered design's disk behind them
+    pools = {
+        "memory_only": pool_from_plan(memory),
+        "disk_only": pool_from_plan(designs["disk_only"]),
+        "tiered": pool_from_plan(designs["tiered"]),
+        "local_rr": pool_from_plan(memory),
+        "local_session": pool_from_plan(memory),
+        "shared": pool_from_plan(memory),
+        "shared_tiered": pool_from_plan(memory, designs["tiered"]),
+    }
+    preset_ = preset(model)
+    longest = max(len(r["per_request"]) for r in results.values())
+    trace = load_trace(trace_path, longest)
+    for name, r in results.items():
+        runs = []
+        for engines in engine_counts:
+            one = model_run(r, trace, pools[name], preset_, engines)
+            runs.append(one)
+            t, b = one["ttft_s"], one["ttft_no_cache_s"]
+            print(
+                f"   {key}-{name}, {one['engines']} engines: paper hardware TTFT p50 "
+                f"{t['p50']:.3f} p90 {t['p90']:.3f} mean {t['mean']:.3f} s "
+                f"(no cache {b['p50']:.3f} / {b['p90']:.3f} / {b['mean']:.3f}); mean without "
+                f"the attention term {one['without_attention']['ttft_s']['mean']:.3f}, "
+                f"without stores on the disks {one['without_stores']['ttft_s']['mean']:.3f}",
+                flush=True,
+            )
+        r["paper_hardware"] = runs
 
 
 def plan_designs() -> dict[str, dict[str, Any]]:
@@ -105,12 +154,34 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs/results"))
     parser.add_argument("--only", choices=["a", "b"], default=None)
     parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="qwen3-235b",
+        help="Model preset of the replay's block sizes and of the paper-hardware prefill.",
+    )
+    parser.add_argument(
+        "--hardware",
+        choices=["fixed", "paper"],
+        default="fixed",
+        help="paper: also model each run's TTFT on the paper's hardware.",
+    )
+    parser.add_argument(
+        "--engines",
+        default=str(NODES),
+        help="With --hardware paper: inference engines (8 GPUs each), comma-separated "
+        "for several; a multiple of the per-node caches of (b).",
+    )
+    parser.add_argument(
         "--replot",
         action="store_true",
         help="Redo summaries and plots from the last runs' raw JSON, run nothing.",
     )
     opts = parser.parse_args()
     out, raw = Path(opts.out), ROOT / "bench-out/replay"
+    model = MODELS[opts.model]
+    engine_counts = [int(n) for n in opts.engines.split(",") if n.strip()]
+    # the default model keeps the file names it always had
+    tag = "" if model == MODEL else f"-{opts.model}"
     out.mkdir(parents=True, exist_ok=True)
     raw.mkdir(parents=True, exist_ok=True)
     scale = opts.scale
@@ -120,7 +191,7 @@ def main() -> None:
         "--requests",
         opts.requests,
         "--model",
-        MODEL,
+        model,
         "--scale",
         str(scale),
         "--load-bandwidth",
@@ -193,7 +264,7 @@ def main() -> None:
         },
     }
     titles = {
-        "a": f"(a) equal budget ({BUDGET} CNY/month at {BANDWIDTH}), {MODEL}, 1/{scale} scale",
+        "a": f"(a) equal budget ({BUDGET} CNY/month at {BANDWIDTH}), {model}, 1/{scale} scale",
         "b": f"(b) {NODES} per-node caches vs one shared pool (same memory), 1/{scale} scale",
     }
     for key, runs in scenarios.items():
@@ -201,13 +272,15 @@ def main() -> None:
             continue
         if opts.replot:
             results = {
-                name: orjson.loads((raw / f"{key}-{name}.json").read_bytes()) for name in runs
+                name: orjson.loads((raw / f"{key}-{name}{tag}.json").read_bytes()) for name in runs
             }
         else:
             results = {
-                name: replay(f"{key}-{name}", args, common, raw) for name, args in runs.items()
+                name: replay(f"{key}-{name}{tag}", args, common, raw) for name, args in runs.items()
             }
-        plot(results, out / f"replay-scenario-{key}.png", titles[key])
+        if opts.hardware == "paper":
+            paper_hardware(key, results, designs, opts.trace, model, engine_counts)
+        plot(results, out / f"replay-scenario-{key}{tag}.png", titles[key])
         for r in results.values():
             del r["per_request"]
         summary = {
@@ -215,7 +288,7 @@ def main() -> None:
             "plan": designs if key == "a" else None,
             "runs": results,
         }
-        (out / f"replay-scenario-{key}.json").write_bytes(
+        (out / f"replay-scenario-{key}{tag}.json").write_bytes(
             orjson.dumps(summary, option=orjson.OPT_INDENT_2)
         )
 
