@@ -80,8 +80,11 @@ class VllmServer:
         return os.path.join(self.workdir, f"{self.name}.log")
 
     def command(self) -> list[str]:
+        # A relative interpreter path is the caller's: the server runs in its workdir.
+        # (abspath, not realpath: a venv's python is a symlink that must stay one.)
+        python = os.path.abspath(self.python) if os.sep in self.python else self.python
         cmd = [
-            self.python,
+            python,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
