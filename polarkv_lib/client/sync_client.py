@@ -70,6 +70,11 @@ class PolarKVClient:
         return self._client.chunk_tokens
 
     @property
+    def io_thread_id(self) -> int | None:
+        """The native id of the thread every call runs on (to place it on CPUs)."""
+        return self._thread.native_id
+
+    @property
     def stats(self) -> ClientStats:
         return self._client.stats
 

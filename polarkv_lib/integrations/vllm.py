@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from polarkv_lib.client import PolarKVClient
 from polarkv_lib.integrations.common import make_client, settings_from_extra
+from polarkv_lib.integrations.cpu_affinity import io_cpus, pin
 from polarkv_lib.integrations.vllm_loads import Loader, PageTarget, load_into_pages
 from polarkv_lib.integrations.vllm_pages import Saver, page_view
 from polarkv_lib.integrations.vllm_setup import (
@@ -380,10 +381,20 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._target = PageTarget(
             self._pages, self._device, self.chunk_tokens, self._blocks_per_chunk, self.chunk_bytes
         )
-        if self._client is not None and self._saver is None:
+        if self._client is None:
+            return
+        # vLLM has bound this (the worker's main) thread to its OpenMP cores by now.
+        cpus = io_cpus(self.options.io_cpus)
+        pin(self._client.io_thread_id, cpus)
+        if self._saver is None:
             self._saver = Saver(self._client, self.stats)
-        if self._client is not None and self._loader is None and self.asynchronous:
-            self._loader = Loader(self._client, self._target, self.stats, self.options.load_threads)
+            pin(self._saver.thread_id, cpus)
+        if self._loader is None and self.asynchronous:
+            self._loader = Loader(
+                self._client, self._target, self.stats, self.options.load_threads, cpus
+            )
+        if cpus is not None:
+            log.info("PolarKV: connector threads on CPUs %s", sorted(cpus))
 
     @property
     def chunk_bytes(self) -> int:
@@ -469,8 +480,9 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             dtype=torch.uint8,
             device=self._device,
         )
+        words = staged.view(self._pages[0].dtype)  # the page views' words
         for layer, pages in enumerate(self._pages):
-            staged[:, layer] = pages.index_select(0, index).reshape(chunks, per_chunk, -1)
+            words[:, layer] = pages.index_select(0, index).reshape(chunks, per_chunk, -1)
         if self._device.type == "cpu":
             return staged.view(chunks, -1), None
         assert self._target is not None

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polarkv_lib.client import PolarKVClient
+from polarkv_lib.integrations.cpu_affinity import pin
 
 if TYPE_CHECKING:
     from polarkv_lib.integrations.vllm import ConnectorStats, LoadOp
@@ -88,7 +89,8 @@ def _scatter(target: PageTarget, host: Any, chunks: int, op: LoadOp, usable: int
         else None
     )
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        src = host.view(chunks, len(target.pages), per_chunk, -1)
+        # In the page views' words (vllm_pages._widest); the page bytes divide into them.
+        src = host.view(chunks, len(target.pages), per_chunk, -1).view(target.pages[0].dtype)
         if device.type != "cpu":
             src = src.to(device, non_blocking=True)
         index = torch.tensor(op.block_ids[:usable], dtype=torch.long, device=device)
@@ -112,16 +114,39 @@ class Loader:
         target: PageTarget,
         stats: ConnectorStats,
         threads: int,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self._client = client
         self._target = target
         self._stats = stats
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="polarkv-vllm-load"
+            max_workers=threads,
+            thread_name_prefix="polarkv-vllm-load",
+            initializer=pin,
+            initargs=(0, cpus),  # the pool's threads start from the step's thread
         )
-        self._jobs: dict[str, concurrent.futures.Future[list[int]]] = {}
+        self._warm_up(threads)
+        # Each job's result: the blocks it did not fill, and when it ended.
+        self._jobs: dict[str, concurrent.futures.Future[tuple[list[int], float]]] = {}
         self._gone: set[str] = set()  # finished or aborted while loading
         self._lock = threading.Lock()
+
+    def _warm_up(self, threads: int) -> None:
+        """Start every thread of the pool now and run a scatter-sized torch op on each:
+        a thread's first copy sets up its own OpenMP team, which took 0.1-0.4 s here,
+        and the first loads after start-up would pay it inside their TTFT."""
+        barrier = threading.Barrier(threads)
+        page = self._target.pages[0] if self._target.pages else None
+
+        def warm() -> None:
+            barrier.wait(5.0)  # one task per thread: the pool starts them all
+            if page is not None:
+                row = page[:1].clone()
+                page[:1].copy_(row)  # the same bytes: no cache block changes
+
+        for future in [self._pool.submit(warm) for _ in range(threads)]:
+            with contextlib.suppress(Exception):
+                future.result(10.0)
 
     @property
     def in_flight(self) -> int:
@@ -130,14 +155,15 @@ class Loader:
     def submit(self, op: LoadOp) -> None:
         self._jobs[op.req_id] = self._pool.submit(self._run, op)
 
-    def _run(self, op: LoadOp) -> list[int]:
+    def _run(self, op: LoadOp) -> tuple[list[int], float]:
         try:
-            return load_into_pages(
+            missing = load_into_pages(
                 self._client, self._target, op, self._stats, lambda: self._is_gone(op.req_id)
             )
         except Exception as exc:  # the engine never sees a PolarKV fault
             log.warning("PolarKV load of request %s failed: %r", op.req_id, exc)
-            return list(op.block_ids)
+            missing = list(op.block_ids)
+        return missing, time.monotonic()
 
     def _is_gone(self, req_id: str) -> bool:
         with self._lock:
@@ -155,6 +181,7 @@ class Loader:
                 self._jobs[req_id].cancel()
         done: set[str] = set()
         failed: set[int] = set()
+        now = time.monotonic()
         for req_id, future in list(self._jobs.items()):
             if not future.done():
                 continue
@@ -166,7 +193,9 @@ class Loader:
                     self._gone.discard(req_id)
                 self._stats.cancelled_loads += 1
                 continue  # a finished request's blocks are vLLM's to free, not to recompute
-            missing = future.result()
+            missing, ended = future.result()
+            with _counting:
+                self._stats.load_report_wait_seconds += now - ended
             if missing:
                 failed.update(missing)
                 self._stats.failed_load_blocks += len(missing)

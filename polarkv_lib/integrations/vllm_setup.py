@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from polarkv_lib.integrations.common import AdapterSettings, namespace
+from polarkv_lib.integrations.cpu_affinity import parse_cpus
 from polarkv_lib.integrations.vllm_pages import PageGeometry
 
 log = logging.getLogger("polarkv.integrations.vllm")
@@ -34,6 +35,7 @@ class ConnectorOptions:
     load_mode: str = "async"  # "async": the step never waits for a load; "sync": it does
     lookup_timeout: float = 0.2  # seconds the scheduler's loop gives one lookup
     load_threads: int = 2  # concurrent asynchronous loads per worker
+    io_cpus: str = "auto"  # where the loader, saver and client threads run (cpu_affinity)
 
 
 def options_from_extra(extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -49,7 +51,18 @@ def options_from_extra(extra: Mapping[str, Any] | None) -> ConnectorOptions:
     threads = extra.get("load_threads", defaults.load_threads)
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise ValueError("PolarKV: 'load_threads' must be a positive integer")
-    return ConnectorOptions(str(mode), float(bound), threads)
+    cpus = extra.get("io_cpus", defaults.io_cpus)
+    if not isinstance(cpus, str):
+        raise ValueError('PolarKV: \'io_cpus\' must be "auto", "none" or a CPU list')
+    if cpus not in ("auto", "none"):
+        try:
+            parse_cpus(cpus)
+        except ValueError:
+            raise ValueError(
+                f'PolarKV: \'io_cpus\' must be "auto", "none" or a CPU list like "1,3-4" '
+                f"(got {cpus!r})"
+            ) from None
+    return ConnectorOptions(str(mode), float(bound), threads, cpus)
 
 
 @dataclass
@@ -65,6 +78,9 @@ class ConnectorStats:
     loaded_chunks: int = 0
     loaded_tokens: int = 0
     load_seconds: float = 0.0
+    # Asynchronous loads: from a load's end to the get_finished that reports it (the
+    # step that was running when it ended), summed; vLLM schedules it the step after.
+    load_report_wait_seconds: float = 0.0
     failed_load_blocks: int = 0
     saved_chunks: int = 0
     failed_saves: int = 0
@@ -87,7 +103,9 @@ class ConnectorStats:
 
 # Keys that are an interval's maximum, not a rise: aggregated with max, not summed.
 MAX_KEYS = frozenset({"save_step_max_seconds"})
-SECONDS_KEYS = frozenset({"load_seconds", "save_step_seconds", "save_step_max_seconds"})
+SECONDS_KEYS = frozenset(
+    {"load_seconds", "load_report_wait_seconds", "save_step_seconds", "save_step_max_seconds"}
+)
 
 
 @dataclass
@@ -117,6 +135,9 @@ class PolarKVStats(KVConnectorStats):  # type: ignore[misc]
         loads = self.data.get("loads", 0)
         if loads and self.data.get("load_seconds"):
             out["polarkv_avg_load_ms"] = round(1000 * self.data["load_seconds"] / loads, 2)
+        if loads and self.data.get("load_report_wait_seconds"):
+            wait = self.data["load_report_wait_seconds"]
+            out["polarkv_avg_report_wait_ms"] = round(1000 * wait / loads, 2)
         steps = self.data.get("save_steps", 0)
         if steps:
             out["polarkv_avg_save_step_ms"] = round(
@@ -141,6 +162,7 @@ PROM_COUNTERS: dict[str, str] = {
     "loaded_chunks": "Chunks loaded from PolarKV into vLLM's KV cache",
     "loaded_tokens": "Tokens loaded from PolarKV into vLLM's KV cache",
     "load_seconds": "Seconds the loads took, summed over loads",
+    "load_report_wait_seconds": "Seconds from an asynchronous load's end to its report",
     "failed_load_blocks": "KV blocks a load did not fill (recomputed by vLLM)",
     "saved_chunks": "Chunks stored in PolarKV",
     "failed_saves": "Saves that failed (gather, network or PolarKV)",

@@ -367,6 +367,9 @@ def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
         build(lookup_timeout=0)
     with pytest.raises(ValueError, match="load_threads"):
         build(load_threads=0)
+    for bad in ("cores", "2-1", 3):
+        with pytest.raises(ValueError, match="io_cpus"):
+            build(io_cpus=bad)
 
 
 def test_namespace_keeps_ranks_and_layouts_apart(
