@@ -56,3 +56,17 @@ def test_report_compares_p99_gaps_with_vllm_alone() -> None:
     assert "50.00x" in rows["polarkv-sync"] and "500.0" in rows["polarkv-sync"]
     assert "1.10x" in rows["polarkv-async"] and "1 WRONG tokens" in rows["polarkv-async"]
     assert smooth.to_json()["gap_p99_s"] == 0.011 and smooth.to_json()["hit_tokens"] == 4096
+
+
+def test_report_compares_p99_gaps_with_vllm_own_cache_too() -> None:
+    base = Cell("vllm", gaps=[0.01] * 100, ttft=[1.0])
+    cached = Cell("vllm-cached", gaps=[0.01] * 90 + [0.04] * 10, ttft=[0.05], hit_tokens=4096)
+    loaded = Cell("polarkv-async", gaps=[0.01] * 90 + [0.05] * 10, ttft=[0.12], hit_tokens=4096)
+    table = render([base, cached, loaded])
+    rows = {line.split("|")[1].strip(): line.split("|") for line in table.splitlines()[2:]}
+    header = [h.strip() for h in table.splitlines()[0].split("|")]
+    vs_vllm, vs_cached = header.index("p99 vs vLLM"), header.index("p99 vs cached")
+    assert rows["polarkv-async"][vs_vllm].strip() == "5.00x"
+    assert rows["polarkv-async"][vs_cached].strip() == "1.25x"
+    assert rows["vllm-cached"][vs_vllm].strip() == "4.00x"
+    assert rows["vllm-cached"][vs_cached].strip() == ""  # itself

