@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -55,7 +57,8 @@ class Setup:
     a: VllmServer  # loads synchronously
     b: VllmServer  # loads asynchronously (the default), as the others do
     unreachable: VllmServer  # its PolarKV URL answers nothing
-    hybrid: PolarKV  # little memory and a disk tier
+    hybrid: PolarKV  # the manager of a slab + disk process with little memory
+    hybrid_slab: PolarKV
     writer: VllmServer  # on `hybrid`: stores the sessions' prefixes
     reader: VllmServer  # on `hybrid`: loads them
 
@@ -70,16 +73,22 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     polarkv = cluster.embedded(manager__listen=f"127.0.0.1:{port}")
     url = polarkv.manager_url
     (root / "hybrid").mkdir()
-    hybrid = Cluster(root / "hybrid").embedded(
-        disk=True, slab__memory=HYBRID_MEMORY, disk__capacity="256MiB"
+    # Split roles, so that a test can stop or kill the data plane under a live manager
+    # (a stopped slab stays "alive" to it for the test's few seconds).
+    hybrid_cluster = Cluster(root / "hybrid")
+    hybrid = hybrid_cluster.manager(manager__heartbeat_ttl="30s")
+    hybrid_slab = hybrid_cluster.slab_disk(
+        hybrid.manager_url, slab__memory=HYBRID_MEMORY, disk__capacity="256MiB"
     )
     dead = f"http://127.0.0.1:{free_port()}"
 
-    def server(name: str, manager: str | None, load_mode: str = "async") -> VllmServer:
+    def server(
+        name: str, manager: str | None, load_mode: str = "async", timeout: float = 2.0
+    ) -> VllmServer:
         # Six servers share two cores here: the scheduler's lookup gets a second (not the
         # default 0.2 s) so that a busy box does not turn the tests' hits into misses.
         transfer = (
-            kv_transfer_config(manager, timeout=2.0, lookup_timeout=1.0, load_mode=load_mode)
+            kv_transfer_config(manager, timeout=timeout, lookup_timeout=1.0, load_mode=load_mode)
             if manager
             else None
         )
@@ -99,18 +108,19 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         server("b", url),
         server("unreachable", dead),
         server("writer", hybrid.manager_url),
-        server("reader", hybrid.manager_url),
+        # A load waits for a stopped slab longer than the kill-mid-load test takes.
+        server("reader", hybrid.manager_url, timeout=20.0),
     ]
     try:
         for s in servers:
             s.start()
         for s in servers:
             s.wait_ready(timeout=900)  # six cold starts at once on a busy two-core box
-        yield Setup(polarkv, port, *servers[:4], hybrid, *servers[4:])
+        yield Setup(polarkv, port, *servers[:4], hybrid, hybrid_slab, *servers[4:])
     finally:
         for s in servers:
             s.stop()
-        hybrid.close()
+        hybrid_cluster.close()
         cluster.close()
 
 
@@ -124,6 +134,13 @@ def assert_clean_log(server: VllmServer) -> None:
 def saved(url: str, chunks: int, before: int) -> None:
     """Saves run in the background after the request returns: wait for them."""
     wait_for(lambda: stats(url)["commits"] >= before + chunks, timeout=30)
+
+
+def store_prefix(server: VllmServer, url: str, prefix: list[int], seed: int) -> None:
+    """`server` computes `prefix` + a suffix of its own and saves the prefix's chunks."""
+    commits = stats(url)["commits"]
+    server.complete(prefix + words(seed, 16), GEN)
+    saved(url, len(prefix) // CHUNK, commits)
 
 
 def test_second_instance_loads_the_prefix_from_polarkv(setup: Setup) -> None:
@@ -195,9 +212,7 @@ def test_requests_abandoned_while_loading_release_everything(setup: Setup) -> No
     url = setup.polarkv.manager_url
     prefix = words(20, PREFIX)
     prompts = [prefix + words(500 + i, 16) for i in range(6)]
-    commits = stats(url)["commits"]
-    setup.a.complete(prefix + words(499, 16), GEN)
-    saved(url, PREFIX // CHUNK, commits)
+    store_prefix(setup.a, url, prefix, 499)
     hits = setup.b.external_hits()[1]
     # Each client gives up a little later than the last (vLLM aborts the request it
     # leaves), so that some hang up before the load, some during it, some after.
@@ -225,9 +240,7 @@ def test_polarkv_killed_and_back_while_serving_a_stream(setup: Setup, tmp_path: 
     prefix = words(10, PREFIX)
     prompts = [prefix + words(100 + i, 16) for i in range(4)]
     expected = [setup.plain.complete(p, GEN) for p in prompts]
-    commits = stats(url)["commits"]
-    setup.a.complete(prefix + words(99, 16), GEN)
-    saved(url, PREFIX // CHUNK, commits)
+    store_prefix(setup.a, url, prefix, 99)
 
     served: list[Served] = []
     failures: list[BaseException] = []
@@ -325,3 +338,69 @@ def test_four_sessions_larger_than_memory_load_whole_from_the_disk_tier(setup: S
     assert after["tier_failures"] == 0
     for server in (setup.writer, setup.reader):
         assert_clean_log(server)
+
+
+def test_polarkv_killed_mid_load_the_request_recomputes_and_streams_go_on(setup: Setup) -> None:
+    """The reader's asynchronous load hangs on a stopped slab (the manager answered its
+    lookup and granted the lease), another client's stream keeps being served meanwhile,
+    then the slab is killed: the loading request recomputes and gets plain vLLM's tokens,
+    and the server logs no error. Runs last: the hybrid slab stays dead."""
+    url = setup.hybrid.manager_url
+    prefix = words(40, PREFIX)
+    prompt = prefix + words(41, 16)
+    expected = setup.plain.complete(prompt, GEN)
+    stream_prompts = [words(800 + i, 64) for i in range(3)]
+    stream_expected = [setup.plain.complete(p, 2 * GEN) for p in stream_prompts]
+    store_prefix(setup.writer, url, prefix, 42)
+
+    served: list[Served] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def stream() -> None:  # another client, one request after another
+        i = 0
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                out = setup.reader.complete(stream_prompts[i % 3], 2 * GEN, timeout=60)
+            except BaseException as exc:
+                failures.append(exc)
+                return
+            served.append(Served(started, time.monotonic(), 0, out == stream_expected[i % 3]))
+            i += 1
+
+    loaded: list[list[int] | BaseException] = []
+
+    def load() -> None:
+        try:
+            loaded.append(setup.reader.complete(prompt, GEN, timeout=120))
+        except BaseException as exc:
+            loaded.append(exc)
+
+    failed_before = setup.reader.metrics().get("vllm:polarkv_failed_load_blocks_total", 0)
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    loader = threading.Thread(target=load, daemon=True)
+    try:
+        wait_for(lambda: len(served) >= 1 or bool(failures), timeout=60)
+        os.kill(setup.hybrid_slab.pid, signal.SIGSTOP)
+        loader.start()
+        wait_for(lambda: stats(url)["read_leases"] > 0, timeout=10)  # the load is under way
+        leased = time.monotonic()
+        # The stream is served while the load hangs.
+        wait_for(lambda: any(s.started > leased for s in served) or bool(failures), timeout=15)
+        assert not loaded, "the load ended before the slab was killed"
+        os.kill(setup.hybrid_slab.pid, signal.SIGKILL)
+        loader.join(120)
+    finally:
+        stop.set()
+        streamer.join(90)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(setup.hybrid_slab.pid, signal.SIGKILL)
+    assert loaded == [expected], "the request did not recompute plain vLLM's tokens"
+    assert not failures, failures
+    assert served and all(s.ok for s in served), "a stream's tokens differ from plain vLLM's"
+    failed = setup.reader.metrics().get("vllm:polarkv_failed_load_blocks_total", 0)
+    assert failed > failed_before  # the load's blocks were recomputed, as counted
+    assert setup.reader.alive()
+    assert_clean_log(setup.reader)
