@@ -132,9 +132,9 @@ class Loader:
         self._lock = threading.Lock()
 
     def _warm_up(self, threads: int) -> None:
-        """Start every thread of the pool now and run a scatter-sized torch op on each:
-        a thread's first copy sets up its own OpenMP team, which took 0.1-0.4 s here,
-        and the first loads after start-up would pay it inside their TTFT."""
+        """Start every thread of the pool now and run one torch copy on each: a pool
+        thread's first scatter took 0.1-0.4 s on the CPU build (its threads' set-up,
+        measured in `polarkv bench stall`), inside the first requests' TTFT."""
         barrier = threading.Barrier(threads)
         page = self._target.pages[0] if self._target.pages else None
 
