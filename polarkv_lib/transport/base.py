@@ -10,7 +10,10 @@ third-party exception.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from polarkv_lib.errors import PolarKVError
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,21 @@ class Transport(ABC):
     @abstractmethod
     def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
         """Copy `view` (len(view) == region.size) into the region."""
+
+    def read_many(
+        self, moves: Sequence[tuple[Region, memoryview]], deadline: float
+    ) -> list[PolarKVError | None]:
+        """read_into for each (region, view) of one slab, in order; each one's error, or
+        None where it arrived. A transport with a cheaper way to read several (tcp:
+        pipelined requests) overrides it; the answers are the same."""
+        errors: list[PolarKVError | None] = []
+        for region, view in moves:
+            try:
+                self.read_into(region, view, deadline)
+                errors.append(None)
+            except PolarKVError as exc:
+                errors.append(exc)
+        return errors
 
     @abstractmethod
     def close(self) -> None:

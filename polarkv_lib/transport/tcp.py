@@ -15,15 +15,27 @@ blocking sockets, one syscall per object).
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator, Sequence
 
-from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, ProtocolError
+from polarkv_lib.errors import (
+    AccessDenied,
+    NetworkError,
+    OperationTimeout,
+    PolarKVError,
+    ProtocolError,
+)
 from polarkv_lib.transport.base import NodeTarget, Region, Transport
 from polarkv_lib.transport.pool import IdlePool
 from polarkv_lib.transport.sockio import recv_exact, remaining, send_all
 from polarkv_lib.wire import frames
 from polarkv_lib.wire.frames import Status
 from polarkv_lib.wire.grants import Op
+
+# READ requests a connection carries ahead of the answer being read (read_many): one is
+# enough for the slab to find the next request waiting when it has sent an answer.
+PIPELINE = 2
 
 
 class TcpTransport(Transport):
@@ -80,48 +92,57 @@ class TcpTransport(Transport):
     ) -> None:
         """One request on `sock`; the socket goes back to the pool only after a clean
         exchange (its stream position is unknown after any error)."""
-        address = region.node.address
-        ok = answered = False
+        ok = False
         try:
-            request = frames.encode_request(op, region.grant)
-            send_all(sock, (request, view) if op is Op.WRITE else (request,), deadline)
-            header = bytearray(frames.RESPONSE_SIZE)
-            try:
-                recv_exact(sock, memoryview(header), deadline)
-            except NetworkError as exc:
-                raise _Stale(f"slab {address} closed the connection: {exc}") from None
-            answered = True
-            status, length = frames.decode_response(header)
-            if status is not Status.OK:
-                reason = bytearray(min(length, frames.MAX_REASON))
-                try:
-                    recv_exact(sock, memoryview(reason), deadline)
-                except (OSError, NetworkError, OperationTimeout):
-                    pass
-                text = reason.decode(errors="replace")
-                if status is Status.DENIED:
-                    raise AccessDenied(f"slab {address} refused: {text}")
-                raise ProtocolError(f"slab {address} answered {status.name}: {text}")
-            if op is Op.READ:
-                if length != region.size:
-                    raise ProtocolError(f"slab sent {length} bytes for a {region.size}-byte region")
-                recv_exact(sock, view, deadline)
+            with _mapped(region, answered=False):
+                request = frames.encode_request(op, region.grant)
+                send_all(sock, (request, view) if op is Op.WRITE else (request,), deadline)
+            _answer(sock, region, op, view, deadline)
             ok = True
-        except (ConnectionResetError, BrokenPipeError) as exc:
-            if answered:
-                raise NetworkError(f"transfer with slab {address} failed: {exc}") from None
-            raise _Stale(f"slab {address} reset the connection: {exc}") from None
-        except OperationTimeout:
-            raise OperationTimeout(f"transfer with slab {address} timed out") from None
-        except TimeoutError:
-            raise OperationTimeout(f"transfer with slab {address} timed out") from None
-        except OSError as exc:
-            raise NetworkError(f"transfer with slab {address} failed: {exc}") from None
         finally:
             if ok:
-                self._checkin(address, sock)
+                self._checkin(region.node.address, sock)
             else:
                 sock.close()
+
+    def read_many(
+        self, moves: Sequence[tuple[Region, memoryview]], deadline: float
+    ) -> list[PolarKVError | None]:
+        """READs of one slab over one connection, PIPELINE requests ahead: the slab
+        finds the next request waiting when it has sent an answer, instead of idling a
+        round trip per region. After the first fault the connection is dropped and the
+        regions not yet answered are read one by one (read_into: a fresh connection,
+        each its own answer), so a failure costs no other region its read."""
+        if len(moves) < 2 or len({r.node.address for r, _ in moves}) != 1:
+            return super().read_many(moves, deadline)
+        for region, view in moves:
+            if len(view) != region.size:
+                raise ValueError(f"buffer of {len(view)} bytes for a region of {region.size}")
+        errors: list[PolarKVError | None] = []
+        address = moves[0][0].node.address
+        sock, _ = self._connect(address, deadline)
+        sent = 0
+        try:
+            while len(errors) < len(moves):
+                while sent < len(moves) and sent - len(errors) < PIPELINE:
+                    region = moves[sent][0]
+                    with _mapped(region, answered=bool(errors)):
+                        send_all(sock, (frames.encode_request(Op.READ, region.grant),), deadline)
+                    sent += 1
+                region, view = moves[len(errors)]
+                _answer(sock, region, Op.READ, view, deadline)
+                errors.append(None)
+        except PolarKVError as exc:
+            sock.close()
+            if isinstance(exc, AccessDenied | ProtocolError):  # the slab's answer to this one
+                errors.append(exc)
+            rest = moves[len(errors) :]
+            return errors + super().read_many(rest, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        self._checkin(address, sock)
+        return errors
 
     def read_into(self, region: Region, view: memoryview, deadline: float) -> None:
         self._exchange(region, Op.READ, view, deadline)
@@ -135,3 +156,49 @@ class TcpTransport(Transport):
 
 class _Stale(NetworkError):
     """The connection was closed before any byte of the answer arrived."""
+
+
+@contextlib.contextmanager
+def _mapped(region: Region, answered: bool) -> Iterator[None]:
+    """Socket errors as the transport's: a reset before any byte of an answer is a
+    stale pooled connection (_Stale: worth one retry), after it a NetworkError."""
+    address = region.node.address
+    try:
+        yield
+    except (ConnectionResetError, BrokenPipeError) as exc:
+        if answered:
+            raise NetworkError(f"transfer with slab {address} failed: {exc}") from None
+        raise _Stale(f"slab {address} reset the connection: {exc}") from None
+    except OperationTimeout:
+        raise OperationTimeout(f"transfer with slab {address} timed out") from None
+    except TimeoutError:
+        raise OperationTimeout(f"transfer with slab {address} timed out") from None
+    except OSError as exc:
+        raise NetworkError(f"transfer with slab {address} failed: {exc}") from None
+
+
+def _answer(sock: socket.socket, region: Region, op: Op, view: memoryview, deadline: float) -> None:
+    """Receive the slab's answer to one request (for a READ, its bytes into `view`)."""
+    address = region.node.address
+    header = bytearray(frames.RESPONSE_SIZE)
+    with _mapped(region, answered=False):
+        try:
+            recv_exact(sock, memoryview(header), deadline)
+        except NetworkError as exc:
+            raise _Stale(f"slab {address} closed the connection: {exc}") from None
+    with _mapped(region, answered=True):
+        status, length = frames.decode_response(header)
+        if status is not Status.OK:
+            reason = bytearray(min(length, frames.MAX_REASON))
+            try:
+                recv_exact(sock, memoryview(reason), deadline)
+            except (OSError, NetworkError, OperationTimeout):
+                pass
+            text = reason.decode(errors="replace")
+            if status is Status.DENIED:
+                raise AccessDenied(f"slab {address} refused: {text}")
+            raise ProtocolError(f"slab {address} answered {status.name}: {text}")
+        if op is Op.READ:
+            if length != region.size:
+                raise ProtocolError(f"slab sent {length} bytes for a {region.size}-byte region")
+            recv_exact(sock, view, deadline)

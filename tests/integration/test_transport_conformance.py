@@ -124,3 +124,41 @@ def test_dead_slab_is_a_polarkv_error(node: PolarKV, transport: Transport) -> No
     with pytest.raises(NetworkError):
         transport.write_from(r, memoryview(bytearray(100)), time.monotonic() + 2)
     assert issubclass(NetworkError, PolarKVError)
+
+
+def test_read_many_reads_each_region_and_isolates_a_refused_one(
+    node: PolarKV, transport: Transport
+) -> None:
+    """read_many (tcp: requests pipelined on one connection) gives every region its own
+    answer: the bytes where granted, and where a grant is refused (a WRITE grant used to
+    read) that region's error alone; the regions after it are still read."""
+    url = node.manager_url
+    blobs = [os.urandom((256 << 10) + i) for i in range(6)]
+    keys = [key(3000 + i) for i in range(len(blobs))]
+    writes = []
+    for k, blob in zip(keys, blobs, strict=True):
+        reply, w = _allocate(url, k, len(blob))
+        transport.write_from(w, memoryview(blob), time.monotonic() + 5)
+        post(
+            url,
+            "/v1/commit",
+            {"lease": reply["lease"], "items": [{"key": k, "checksum": checksum(blob)}]},
+        )
+        writes.append(w)
+    hit = post(url, "/v1/lookup", {"keys": keys})
+    reads = [region(hit, e) for e in hit["entries"]]
+    outs = [bytearray(len(b)) for b in blobs]
+    errors = transport.read_many(
+        [(r, memoryview(o)) for r, o in zip(reads, outs, strict=True)], time.monotonic() + 5
+    )
+    assert errors == [None] * len(blobs) and outs == blobs
+    if not VERIFIES_GRANTS[transport.name]:
+        return
+    moves = [(r, memoryview(bytearray(len(b)))) for r, b in zip(reads, blobs, strict=True)]
+    moves[2] = (writes[2], moves[2][1])  # a grant for another op, mid-batch
+    errors = transport.read_many(moves, time.monotonic() + 5)
+    assert isinstance(errors[2], AccessDenied)
+    assert [e for i, e in enumerate(errors) if i != 2] == [None] * (len(blobs) - 1)
+    assert [bytes(v) for i, (_, v) in enumerate(moves) if i != 2] == [
+        b for i, b in enumerate(blobs) if i != 2
+    ]
