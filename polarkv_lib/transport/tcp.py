@@ -120,7 +120,10 @@ class TcpTransport(Transport):
                 raise ValueError(f"buffer of {len(view)} bytes for a region of {region.size}")
         errors: list[PolarKVError | None] = []
         address = moves[0][0].node.address
-        sock, _ = self._connect(address, deadline)
+        try:
+            sock, _ = self._connect(address, deadline)
+        except PolarKVError as exc:  # no connection for any of them
+            return [exc] * len(moves)
         sent = 0
         try:
             while len(errors) < len(moves):

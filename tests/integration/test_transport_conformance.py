@@ -162,3 +162,26 @@ def test_read_many_reads_each_region_and_isolates_a_refused_one(
     assert [bytes(v) for i, (_, v) in enumerate(moves) if i != 2] == [
         b for i, b in enumerate(blobs) if i != 2
     ]
+
+
+def test_read_many_of_a_slab_gone_fails_each_region_and_raises_nothing(
+    node: PolarKV, transport: Transport
+) -> None:
+    url = node.manager_url
+    blobs = [os.urandom(4096 + i) for i in range(3)]
+    keys = [key(3100 + i) for i in range(len(blobs))]
+    for k, blob in zip(keys, blobs, strict=True):
+        reply, w = _allocate(url, k, len(blob))
+        transport.write_from(w, memoryview(blob), time.monotonic() + 5)
+        post(
+            url,
+            "/v1/commit",
+            {"lease": reply["lease"], "items": [{"key": k, "checksum": checksum(blob)}]},
+        )
+    hit = post(url, "/v1/lookup", {"keys": keys})
+    moves = [(region(hit, e), memoryview(bytearray(e["size"]))) for e in hit["entries"]]
+    node.kill()
+    if transport.name == "shm":
+        return  # the mapping outlives the process: nothing to refuse
+    errors = transport.read_many(moves, time.monotonic() + 5)
+    assert len(errors) == len(moves) and all(isinstance(e, PolarKVError) for e in errors)
