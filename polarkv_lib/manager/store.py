@@ -70,10 +70,19 @@ def _upsert(
     )
 
 
+# Statements in the rows' column order (rows.py): a batch's rows are their parameters.
+_NODE_UPSERT_SQLITE = _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "?")
+_ENTRY_UPSERT_SQLITE = _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "?")
+_NODE_UPSERT_POSTGRES = _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "${}")
+_ENTRY_UPSERT_POSTGRES = _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "${}")
+_IN_MEMORY, _ON_DISK = ENTRY_COLUMNS.index("in_memory"), ENTRY_COLUMNS.index("on_disk")
+
+
 def _entry_row(r: Any) -> EntryRow:
-    values = dict(zip(ENTRY_COLUMNS, r, strict=True))
-    values["in_memory"], values["on_disk"] = bool(values["in_memory"]), bool(values["on_disk"])
-    return EntryRow(**values)
+    """A selected row (columns in ENTRY_COLUMNS' order); SQLite's booleans are ints."""
+    values = list(r)
+    values[_IN_MEMORY], values[_ON_DISK] = bool(values[_IN_MEMORY]), bool(values[_ON_DISK])
+    return EntryRow._make(values)
 
 
 def _deleted(batch: Batch) -> list[tuple[str, str]]:
@@ -153,14 +162,8 @@ class SqliteStore(MetadataStore):
         db = self._db
         db.execute("BEGIN")
         try:
-            db.executemany(
-                _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "?"),
-                [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
-            )
-            db.executemany(
-                _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "?"),
-                [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
-            )
+            db.executemany(_NODE_UPSERT_SQLITE, batch.nodes)  # rows are their tuples
+            db.executemany(_ENTRY_UPSERT_SQLITE, batch.entries)
             db.executemany(
                 "DELETE FROM polarkv_entries WHERE tenant = ? AND key = ?", _deleted(batch)
             )
@@ -226,15 +229,9 @@ class PostgresStore(MetadataStore):
     async def write(self, batch: Batch) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             if batch.nodes:
-                await conn.executemany(
-                    _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "${}"),
-                    [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
-                )
+                await conn.executemany(_NODE_UPSERT_POSTGRES, batch.nodes)
             if batch.entries:
-                await conn.executemany(
-                    _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "${}"),
-                    [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
-                )
+                await conn.executemany(_ENTRY_UPSERT_POSTGRES, batch.entries)
             if batch.deleted_keys:
                 tenants, keys = zip(*_deleted(batch), strict=True)
                 await conn.execute(
