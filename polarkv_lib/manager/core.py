@@ -117,6 +117,8 @@ class Metadata(Reads):
         end: AllocStatus | None = None  # the rest of the prefix: refused, or later
         claim = Claim(op.tenant, op.kept)
         mine = self.tenant(op.tenant)
+        now = self.wall()  # one clock read and one lease refresh per pass, not per item
+        writing: WriteLease | None = None
         for i in op.open:
             key, size = op.items[i]
             entry = self.get(key)
@@ -156,16 +158,17 @@ class Metadata(Reads):
                 offset,
                 alloc_size,
                 State.WRITING,
-                self.wall(),
-                self.wall(),
+                now,
+                now,
                 gen=self._next_gen(),
                 tenant=op.tenant,
             )
-            lease = self._write_lease(op)
+            if writing is None:
+                writing = self._write_lease(op)
             entry.write_lease = op.lease
             self.entries[key] = entry
             node.entries.add(key)
-            lease.entries[key] = entry
+            writing.entries[key] = entry
             taken += need
             mine.bytes_writing += size  # its quota and fair share count what it writes
             placed += 1
