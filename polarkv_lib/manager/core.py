@@ -240,10 +240,11 @@ class Metadata(Reads):
             entry.state = State.READY
             entry.checksum = checksum
             entry.write_lease = None
-            self.tenant(entry.tenant).bytes_writing -= entry.size
+            mine = self.tenant(entry.tenant)
+            mine.bytes_writing -= entry.size
             self._memory_ready(entry)
             self.counters.commits += 1
-            self.tenant(entry.tenant).commits += 1
+            mine.commits += 1
             self.dirty_keys.add(key)
             out[key] = "committed"
         if lease is None:
