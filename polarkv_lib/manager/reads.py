@@ -258,7 +258,7 @@ class Reads(Draining):
             self._touch(entry)
         hits = len(op.served)
         if op.take_lease:
-            from_disk = sum(1 for e in op.served if e.gen in op.from_disk)
+            from_disk = sum(1 for e in op.served if e.gen in op.from_disk) if op.from_disk else 0
         else:
             from_disk = sum(1 for e in op.served if not e.in_memory)
         # The keys a window's end left are asked for again at once; an answer with
