@@ -29,6 +29,15 @@ def is_valid_key(key: object) -> bool:
     return isinstance(key, str) and _KEY_RE.fullmatch(key) is not None
 
 
+def all_valid_keys(values: list[Any]) -> bool:
+    """Whether every value is a key: one pass in C over a request's batch (a lookup of
+    64 keys checked one call at a time cost as much as serving it from the table)."""
+    try:
+        return all(map(_KEY_RE.fullmatch, values))
+    except TypeError:  # not a string
+        return False
+
+
 # An entry is its tenant's: two tenants storing the same key have two entries. Its
 # identity is the key for the default tenant ("") and `key.tenant` for the others, one
 # string (as cheap a dict key as the key itself) that the manager files it under and a

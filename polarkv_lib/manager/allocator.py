@@ -10,9 +10,12 @@ All offsets are page aligned, which O_DIRECT file I/O relies on.
 
 from __future__ import annotations
 
+import functools
+
 PAGE = 4096
 
 
+@functools.lru_cache(maxsize=4096)  # several calls per allocation; few distinct sizes
 def size_class(size: int) -> int:
     if size <= 0:
         raise ValueError("size must be positive")

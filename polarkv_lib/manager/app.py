@@ -45,7 +45,7 @@ from polarkv_lib.progress import progress
 from polarkv_lib.shards import Shard, split_urls
 from polarkv_lib.tenancy import DEFAULT
 from polarkv_lib.wire import control
-from polarkv_lib.wire.grants import Grant, Op, epoch_key, sign
+from polarkv_lib.wire.grants import Op, Signer, epoch_key
 
 log = structlog.get_logger("polarkv.manager")
 
@@ -82,6 +82,7 @@ class ManagerService:
         # slabs learn when they register, so no grant outlives the process that issued it.
         self.incarnation = secrets.randbits(63) or 1
         self.signing_key = epoch_key(self.grant_key, self.incarnation)
+        self._sign = Signer(self.signing_key)
         self.tenants = sec.tenancy  # parsed once, by config.py
         auth = Auth(sec.token, sec.admin_token, self.tenants)  # manager/auth.py
         self.shard_urls = split_urls(m.shard_urls) if m.shard_urls else ()
@@ -316,17 +317,6 @@ class ManagerService:
 
     # -- control ------------------------------------------------------------------------
 
-    def _grant(self, entry: Entry, op: Op, ttl: float) -> str:
-        grant = Grant(
-            op,
-            entry.node.incarnation,
-            entry.offset,
-            entry.size,
-            self.meta.grant_expiry(ttl),
-            entry.gen,
-        )
-        return sign(grant, self.signing_key).hex()
-
     @staticmethod
     def _node_view(node: Node) -> dict[str, Any]:
         return {
@@ -337,26 +327,40 @@ class ManagerService:
             "incarnation": node.incarnation,
         }
 
-    def _entry_view(
-        self, entry: Entry, key: str, op: Op, ttl: float, nodes: dict[str, Any]
-    ) -> dict[str, Any]:
-        node = entry.node
-        if node.node_id not in nodes:  # one view per node a reply names, built once
-            nodes[node.node_id] = self._node_view(node)
-        return {
-            "key": key,
-            "node": entry.node.node_id,
-            "offset": entry.offset,
-            "size": entry.size,
-            "checksum": entry.checksum,
-            "grant": self._grant(entry, op, ttl),
-        }
+    def _entry_views(
+        self, served: Iterable[tuple[Entry, str]], op: Op, ttl: float, nodes: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """The reply's view of each (entry, client key), with its grant: one per region,
+        all of one reply expiring together (one clock read, not one per grant)."""
+        sign, node_view = self._sign, self._node_view
+        expires = self.meta.grant_expiry(ttl)
+        out = []
+        for entry, key in served:
+            node = entry.node
+            node_id = node.node_id
+            if node_id not in nodes:  # one view per node a reply names, built once
+                nodes[node_id] = node_view(node)
+            offset, size = entry.offset, entry.size
+            grant = sign(op, node.incarnation, offset, size, expires, entry.gen)
+            out.append(
+                {
+                    "key": key,
+                    "node": node_id,
+                    "offset": offset,
+                    "size": size,
+                    "checksum": entry.checksum,
+                    "grant": grant.hex(),
+                }
+            )
+        return out
 
     @staticmethod
     def _scope(request: web.Request, keys: Iterable[str]) -> tuple[str, list[str]]:
         """The requester's tenant and its keys as the core files them (keys.ident);
         replies name the client's keys again."""
         tenant = request[TENANT] or DEFAULT
+        if tenant == DEFAULT:  # the default tenant's identities are its keys
+            return tenant, list(keys)
         return tenant, [ident(tenant, k) for k in keys]
 
     async def lookup(self, request: web.Request) -> web.Response:
@@ -377,10 +381,7 @@ class ManagerService:
         ttl = self.meta.read_lease_ttl
         # a hit prefix: the i-th hit is the i-th key asked for
         entries = (
-            [
-                self._entry_view(e, k, Op.READ, ttl, nodes)
-                for e, k in zip(hits, req.keys, strict=False)
-            ]
+            self._entry_views(zip(hits, req.keys, strict=False), Op.READ, ttl, nodes)
             if req.lease
             else [
                 {"key": k, "size": e.size, "checksum": e.checksum}
@@ -413,15 +414,21 @@ class ManagerService:
         self._kick()
         nodes: dict[str, Any] = {}
         ttl = self.meta.write_lease_ttl
-        out = []
+        allocated: list[tuple[Entry, str]] = []
+        out: list[dict[str, Any] | None] = []
         for res, item in zip(op.results, req.items, strict=True):  # in request order
             assert res is not None  # every item has its result once the request is done
             if res.status is AllocStatus.ALLOCATED and res.entry is not None:
-                view = self._entry_view(res.entry, item.key, Op.WRITE, ttl, nodes)
-                view["status"] = res.status.value
-                out.append(view)
+                allocated.append((res.entry, item.key))
+                out.append(None)  # its view, signed with the others below
             else:
                 out.append({"key": item.key, "status": res.status.value})
+        views = iter(self._entry_views(allocated, Op.WRITE, ttl, nodes))
+        status = AllocStatus.ALLOCATED.value
+        for i, view in enumerate(out):
+            if view is None:
+                view = out[i] = next(views)
+                view["status"] = status
         return json_response({"lease": op.lease, "nodes": nodes, "results": out})
 
     async def commit(self, request: web.Request) -> web.Response:

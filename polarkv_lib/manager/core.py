@@ -117,6 +117,8 @@ class Metadata(Reads):
         end: AllocStatus | None = None  # the rest of the prefix: refused, or later
         claim = Claim(op.tenant, op.kept)
         mine = self.tenant(op.tenant)
+        now = self.wall()  # one clock read and one lease refresh per pass, not per item
+        writing: WriteLease | None = None
         for i in op.open:
             key, size = op.items[i]
             entry = self.get(key)
@@ -156,16 +158,17 @@ class Metadata(Reads):
                 offset,
                 alloc_size,
                 State.WRITING,
-                self.wall(),
-                self.wall(),
+                now,
+                now,
                 gen=self._next_gen(),
                 tenant=op.tenant,
             )
-            lease = self._write_lease(op)
+            if writing is None:
+                writing = self._write_lease(op)
             entry.write_lease = op.lease
             self.entries[key] = entry
             node.entries.add(key)
-            lease.entries[key] = entry
+            writing.entries[key] = entry
             taken += need
             mine.bytes_writing += size  # its quota and fair share count what it writes
             placed += 1
@@ -237,10 +240,11 @@ class Metadata(Reads):
             entry.state = State.READY
             entry.checksum = checksum
             entry.write_lease = None
-            self.tenant(entry.tenant).bytes_writing -= entry.size
+            mine = self.tenant(entry.tenant)
+            mine.bytes_writing -= entry.size
             self._memory_ready(entry)
             self.counters.commits += 1
-            self.tenant(entry.tenant).commits += 1
+            mine.commits += 1
             self.dirty_keys.add(key)
             out[key] = "committed"
         if lease is None:

@@ -58,8 +58,8 @@ class Residency(StrEnum):
     RELOADING = "reloading"  # a file; its memory extent is being filled from it
 
 
-_IN_MEMORY = frozenset({Residency.MEMORY, Residency.OFFLOADING, Residency.BOTH})
-_ON_DISK = frozenset({Residency.BOTH, Residency.DISK, Residency.RELOADING})
+IN_MEMORY = frozenset({Residency.MEMORY, Residency.OFFLOADING, Residency.BOTH})
+ON_DISK = frozenset({Residency.BOTH, Residency.DISK, Residency.RELOADING})
 
 
 class AllocStatus(StrEnum):
@@ -150,11 +150,11 @@ class Entry:
 
     @property
     def in_memory(self) -> bool:
-        return self.residency in _IN_MEMORY
+        return self.residency in IN_MEMORY
 
     @property
     def on_disk(self) -> bool:
-        return self.residency in _ON_DISK
+        return self.residency in ON_DISK
 
     @property
     def offloading(self) -> bool:

@@ -258,7 +258,7 @@ class Reads(Draining):
             self._touch(entry)
         hits = len(op.served)
         if op.take_lease:
-            from_disk = sum(1 for e in op.served if e.gen in op.from_disk)
+            from_disk = sum(1 for e in op.served if e.gen in op.from_disk) if op.from_disk else 0
         else:
             from_disk = sum(1 for e in op.served if not e.in_memory)
         # The keys a window's end left are asked for again at once; an answer with
@@ -352,6 +352,7 @@ class Reads(Draining):
         found not to match. `tenant`: the requester's; another tenant's lease is left
         alone (None: the admin's request, any lease)."""
         out = Released(0)
+        reported = dict.fromkeys(corrupt)
         held: dict[str, Entry] = {}
         for lease_id in lease_ids:
             if not self._owns(lease_id, tenant):
@@ -359,11 +360,12 @@ class Reads(Draining):
             lease = self._end_read_lease(lease_id)
             if lease is not None:
                 out.released += 1
-                held.update((e.key, e) for e in lease.served)
+                if reported:  # what it held matters only to a report
+                    held.update((e.key, e) for e in lease.served)
             elif lease_id in self.write_leases:
                 out.released += 1
                 self.counters.aborts += self._end_write_lease(lease_id)
-        for key in dict.fromkeys(corrupt):
+        for key in reported:
             suspect = held.get(key)
             if suspect is not None and not suspect.dropped:
                 self.counters.corrupt_reports += 1

@@ -4,36 +4,14 @@ in batches by manager/store.py and read back by manager/snapshot.py after a rest
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-NODE_COLUMNS = (
-    "node_id",
-    "incarnation",
-    "address",
-    "capacity",
-    "disk_capacity",
-    "shm_path",
-    "host_id",
-    "transports",
-)
-ENTRY_COLUMNS = (
-    "tenant",
-    "key",
-    "node_id",
-    "incarnation",
-    "size",
-    "checksum",
-    "mem_offset",
-    "mem_extent",
-    "in_memory",
-    "on_disk",
-    "file_bytes",
-    "created",
-)
-ENTRY_KEY = ("tenant", "key")  # an entry is its tenant's: two tenants, two rows
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class NodeRow:
+# Rows are named tuples in their columns' order: the store writes them as they are (a
+# frozen dataclass cost ~1.4 us to build on the loop and ~1 us to turn into a tuple in
+# the store's thread, per row; at 1M entries that thread held the GIL for a fifth of
+# the manager's time).
+class NodeRow(NamedTuple):
     node_id: str
     incarnation: int
     address: str
@@ -44,8 +22,7 @@ class NodeRow:
     transports: str  # comma separated
 
 
-@dataclass(frozen=True, slots=True)
-class EntryRow:
+class EntryRow(NamedTuple):
     key: str  # the client's key; with `tenant`, the entry's identity (keys.ident)
     node_id: str
     incarnation: int
@@ -58,6 +35,11 @@ class EntryRow:
     file_bytes: int
     created: float
     tenant: str = ""  # whose entry it is ("" the default tenant's)
+
+
+NODE_COLUMNS: tuple[str, ...] = NodeRow._fields
+ENTRY_COLUMNS: tuple[str, ...] = EntryRow._fields
+ENTRY_KEY = ("tenant", "key")  # an entry is its tenant's: two tenants, two rows
 
 
 @dataclass(slots=True)

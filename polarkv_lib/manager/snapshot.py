@@ -12,7 +12,15 @@ miss; a flush keeps their rows.
 from __future__ import annotations
 
 from polarkv_lib.keys import KEY_LENGTH, ident
-from polarkv_lib.manager.model import Entry, Node, Residency, RestoreJob, State
+from polarkv_lib.manager.model import (
+    IN_MEMORY,
+    ON_DISK,
+    Entry,
+    Node,
+    Residency,
+    RestoreJob,
+    State,
+)
 from polarkv_lib.manager.rows import Batch, EntryRow, NodeRow
 from polarkv_lib.manager.tables import Tables
 from polarkv_lib.wire.control import CONFIRM_BATCH
@@ -207,25 +215,31 @@ class Snapshots:
             for n in (self.tables.nodes.get(i) for i in self.tables.dirty_nodes)
             if n is not None
         ]
-        entries, deleted = [], []
+        entries: list[EntryRow] = []
+        deleted: list[str] = []
+        # On the loop for every changed key (two per evicting allocation): locals, and
+        # the residency sets read directly instead of through the Entry properties.
+        get, waiting, ready = self.tables.entries.get, self.waiting_keys, State.READY
+        add, gone = entries.append, deleted.append
         for key in self.tables.dirty_keys:
-            entry = self.tables.get(key)
-            if entry is None or entry.state is not State.READY or not entry.node.alive:
-                if key not in self.waiting_keys:  # a node not back yet keeps its rows
-                    deleted.append(key)
+            entry = get(key)
+            if entry is None or entry.state is not ready or not entry.node.alive:
+                if key not in waiting:  # a node not back yet keeps its rows
+                    gone(key)
                 continue
-            in_memory = entry.in_memory and entry.alloc_size > 0
-            entries.append(
+            node, residency, extent = entry.node, entry.residency, entry.alloc_size
+            in_memory = extent > 0 and residency in IN_MEMORY
+            add(
                 EntryRow(
                     key[:KEY_LENGTH],
-                    entry.node.node_id,
-                    entry.node.incarnation,
+                    node.node_id,
+                    node.incarnation,
                     entry.size,
                     entry.checksum,
                     entry.offset if in_memory else 0,
-                    entry.alloc_size if in_memory else 0,
+                    extent if in_memory else 0,
                     in_memory,
-                    entry.on_disk,
+                    residency in ON_DISK,
                     entry.file_bytes,
                     entry.created,
                     entry.tenant,

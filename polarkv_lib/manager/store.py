@@ -11,6 +11,7 @@ and retried with backoff; changes made meanwhile merge into it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import sqlite3
@@ -70,10 +71,46 @@ def _upsert(
     )
 
 
+# Statements in the rows' column order (rows.py): a batch's rows are their parameters.
+_NODE_UPSERT_SQLITE = _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "?")
+_ENTRY_UPSERT_SQLITE = _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "?")
+_ENTRY_DELETE_SQLITE = "DELETE FROM polarkv_entries WHERE tenant = ? AND key = ?"
+# SQLite writes many rows per statement: one statement per row cost twice the CPU (an
+# evicting allocation changes two rows, so at a few hundred a second the store's thread
+# took a core's tenth) and took the GIL back from the loop twice per row.
+ROWS_PER_STATEMENT = 256
+
+
+def _upsert_rows_sqlite(rows: int) -> str:
+    """The entry upsert for `rows` rows in one statement."""
+    one = "(" + ", ".join("?" * len(ENTRY_COLUMNS)) + ")"
+    head, _, tail = _ENTRY_UPSERT_SQLITE.partition(f"VALUES {one}")
+    return f"{head}VALUES {', '.join([one] * rows)}{tail}"
+
+
+def _delete_rows_sqlite(rows: int) -> str:
+    """The deletion of `rows` keys of one tenant in one statement (the primary key's index
+    serves `tenant = ? AND key IN (...)`)."""
+    return f"DELETE FROM polarkv_entries WHERE tenant = ? AND key IN ({', '.join('?' * rows)})"
+
+
+def _deleted_by_tenant(batch: Batch) -> dict[str, list[str]]:
+    by_tenant: dict[str, list[str]] = {}
+    for tenant, key in _deleted(batch):
+        by_tenant.setdefault(tenant, []).append(key)
+    return by_tenant
+
+
+_NODE_UPSERT_POSTGRES = _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "${}")
+_ENTRY_UPSERT_POSTGRES = _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "${}")
+_IN_MEMORY, _ON_DISK = ENTRY_COLUMNS.index("in_memory"), ENTRY_COLUMNS.index("on_disk")
+
+
 def _entry_row(r: Any) -> EntryRow:
-    values = dict(zip(ENTRY_COLUMNS, r, strict=True))
-    values["in_memory"], values["on_disk"] = bool(values["in_memory"]), bool(values["on_disk"])
-    return EntryRow(**values)
+    """A selected row (columns in ENTRY_COLUMNS' order); SQLite's booleans are ints."""
+    values = list(r)
+    values[_IN_MEMORY], values[_ON_DISK] = bool(values[_IN_MEMORY]), bool(values[_ON_DISK])
+    return EntryRow._make(values)
 
 
 def _deleted(batch: Batch) -> list[tuple[str, str]]:
@@ -105,6 +142,8 @@ class SqliteStore(MetadataStore):
         self.path = path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polarkv-sqlite")
         self._db: sqlite3.Connection | None = None
+        self._chunk = 1  # rows per statement (ROWS_PER_STATEMENT within SQLite's limit)
+        self._upsert_chunk = self._delete_chunk = ""
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -117,6 +156,10 @@ class SqliteStore(MetadataStore):
         self._db.execute("PRAGMA synchronous=NORMAL")
         for statement in _SCHEMA:
             self._db.execute(statement)
+        variables = self._db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+        self._chunk = max(1, min(ROWS_PER_STATEMENT, variables // len(ENTRY_COLUMNS)))
+        self._upsert_chunk = _upsert_rows_sqlite(self._chunk)
+        self._delete_chunk = _delete_rows_sqlite(self._chunk)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(polarkv_entries)")}
         if "tenant" not in columns:
             self._db.execute("BEGIN")
@@ -153,17 +196,18 @@ class SqliteStore(MetadataStore):
         db = self._db
         db.execute("BEGIN")
         try:
-            db.executemany(
-                _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "?"),
-                [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
-            )
-            db.executemany(
-                _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "?"),
-                [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
-            )
-            db.executemany(
-                "DELETE FROM polarkv_entries WHERE tenant = ? AND key = ?", _deleted(batch)
-            )
+            db.executemany(_NODE_UPSERT_SQLITE, batch.nodes)  # rows are their tuples
+            n = self._chunk
+            rows = batch.entries
+            whole = len(rows) - len(rows) % n
+            for i in range(0, whole, n):
+                db.execute(self._upsert_chunk, list(itertools.chain.from_iterable(rows[i : i + n])))
+            db.executemany(_ENTRY_UPSERT_SQLITE, rows[whole:])
+            for tenant, keys in _deleted_by_tenant(batch).items():
+                whole = len(keys) - len(keys) % n
+                for i in range(0, whole, n):
+                    db.execute(self._delete_chunk, [tenant, *keys[i : i + n]])
+                db.executemany(_ENTRY_DELETE_SQLITE, [(tenant, k) for k in keys[whole:]])
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -226,15 +270,9 @@ class PostgresStore(MetadataStore):
     async def write(self, batch: Batch) -> None:
         async with self._pool.acquire() as conn, conn.transaction():
             if batch.nodes:
-                await conn.executemany(
-                    _upsert("polarkv_nodes", NODE_COLUMNS, NODE_COLUMNS[:1], "${}"),
-                    [tuple(getattr(n, c) for c in NODE_COLUMNS) for n in batch.nodes],
-                )
+                await conn.executemany(_NODE_UPSERT_POSTGRES, batch.nodes)
             if batch.entries:
-                await conn.executemany(
-                    _upsert("polarkv_entries", ENTRY_COLUMNS, ENTRY_KEY, "${}"),
-                    [tuple(getattr(e, c) for c in ENTRY_COLUMNS) for e in batch.entries],
-                )
+                await conn.executemany(_ENTRY_UPSERT_POSTGRES, batch.entries)
             if batch.deleted_keys:
                 tenants, keys = zip(*_deleted(batch), strict=True)
                 await conn.execute(

@@ -138,20 +138,25 @@ class Tables:
         """Put an entry that may leave memory into its node's eviction order (and its
         tenant's, under a quota): as the most recently used, or (`recent=False`) as the
         least, for an entry that was next to go when it was taken out."""
-        if not self._orderable(entry) or entry.key in entry.node.lru:
+        node, key = entry.node, entry.key
+        if not self._orderable(entry) or key in node.lru:
             return
-        node = entry.node
-        orders: list[OrderedDict[str, Entry]] = [node.lru]
+        # Every lease's release and every commit comes here, once per key: each order
+        # is written directly (no list of them per entry).
+        node.lru[key] = entry
         node.lru_extent += entry.alloc_size
+        if not recent:
+            node.lru.move_to_end(key, last=False)
         if entry.residency is Residency.BOTH:
-            orders.append(node.clean)
+            node.clean[key] = entry
             node.clean_extent += entry.alloc_size
-        if entry.tenant in self.quotas:
-            orders.append(self.tenant_lru.setdefault(entry.tenant, OrderedDict()))
-        for order in orders:
-            order[entry.key] = entry
             if not recent:
-                order.move_to_end(entry.key, last=False)
+                node.clean.move_to_end(key, last=False)
+        if entry.tenant in self.quotas:
+            order = self.tenant_lru.setdefault(entry.tenant, OrderedDict())
+            order[key] = entry
+            if not recent:
+                order.move_to_end(key, last=False)
 
     def _order_out(self, entry: Entry) -> None:
         """Take an entry out of the eviction order: it is read, in flight or leaving."""

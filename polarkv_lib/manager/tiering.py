@@ -42,11 +42,9 @@ class Tiering(Tables):
         writes but not all of them (it would become every reader's hot spot). If none
         has a free extent, make room on the emptiest one that can (drop clean memory
         copies; evict on nodes without a disk)."""
-        nodes = sorted(
-            (n for n in self.nodes.values() if n.alive and not n.restoring),
-            key=lambda n: n.allocator.free,
-            reverse=True,
-        )
+        nodes = [n for n in self.nodes.values() if n.alive and not n.restoring]
+        if len(nodes) > 1:  # once per item placed: no sort for the common single node
+            nodes.sort(key=lambda n: n.allocator.free, reverse=True)
         need = size_class(size)
         fits = [n for n in nodes if n.allocator.used + need <= self._memory_limit(n)]
         while fits:

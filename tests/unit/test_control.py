@@ -7,6 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from polarkv_lib.errors import BadRequest
 from polarkv_lib.wire import control
@@ -628,3 +630,40 @@ def test_node_messages_refuse_unknown_fields() -> None:
         lambda: control.parse_orders({"node_id": "n1", "incarnation": 1, "files": []}),
         "unknown field",
     )
+
+
+# -- the fast paths agree with the checked ones --------------------------------------------
+
+_VALUES: list[Any] = [K1, K2, SUM, 1, 0, -1, True, 1 << 20, (1 << 20) + 1, None, "x", [K1]]
+_ITEM = st.dictionaries(
+    st.sampled_from(["key", "size", "checksum", "other"]), st.sampled_from(_VALUES), max_size=3
+)
+_ITEMS = st.lists(st.one_of(_ITEM, st.sampled_from(_VALUES)), min_size=1, max_size=4)
+
+
+def _outcome(parse: Callable[[], object]) -> object:
+    try:
+        return parse()
+    except BadRequest as exc:
+        return (str(exc), exc.status)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(items=_ITEMS)
+def test_allocate_and_commit_items_parse_as_the_checked_pass_does(items: list[Any]) -> None:
+    """Well-formed batches take a few C-level passes; anything else the item-by-item
+    pass, so a bad batch is refused with the same reason, naming the same first item."""
+    assert _outcome(lambda: control.parse_allocate({"items": items}, LIMITS).items) == _outcome(
+        lambda: control._allocate_items(items, LIMITS)
+    )
+    body = {"lease": LEASE, "items": items}
+    assert _outcome(lambda: control.parse_commit(body, LIMITS).items) == _outcome(
+        lambda: control._commit_items(items)
+    )
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(keys=st.lists(st.sampled_from([K1, K2, *BAD_KEYS[:8]]), min_size=1, max_size=4))
+def test_lookup_keys_parse_as_the_checked_pass_does(keys: list[Any]) -> None:
+    checked = _outcome(lambda: [control._key(k, f"keys[{i}]") for i, k in enumerate(keys)])
+    assert _outcome(lambda: control.parse_lookup({"keys": keys}, LIMITS).keys) == checked

@@ -57,6 +57,24 @@ def test_decode_round_trips_any_grant(
     assert grants.decode(grants.sign(grant, KEY)) == grant
 
 
+@settings(max_examples=100, deadline=None, database=None)
+@given(
+    op=st.sampled_from(list(Op)),
+    incarnation=st.integers(0, 2**64 - 1),
+    offset=st.integers(0, 2**40),
+    length=st.integers(1, 2**40),
+    expires=st.integers(0, 2**64 - 1),
+    gen=st.integers(0, 2**64 - 1),
+)
+def test_a_signer_signs_the_bytes_of_sign(
+    op: Op, incarnation: int, offset: int, length: int, expires: int, gen: int
+) -> None:
+    grant = Grant(op, incarnation, offset, length, expires, gen)
+    assert grants.Signer(KEY)(op, incarnation, offset, length, expires, gen) == grants.sign(
+        grant, KEY
+    )
+
+
 def test_verify_uses_wall_clock_when_now_is_omitted() -> None:
     far_future = grants.sign(make(expires_ms=2**63), KEY)
     assert grants.verify(far_future, KEY, INC, BUF).expires_ms == 2**63
