@@ -126,15 +126,8 @@ def test_dead_slab_is_a_polarkv_error(node: PolarKV, transport: Transport) -> No
     assert issubclass(NetworkError, PolarKVError)
 
 
-def test_read_many_reads_each_region_and_isolates_a_refused_one(
-    node: PolarKV, transport: Transport
-) -> None:
-    """read_many (tcp: requests pipelined on one connection) gives every region its own
-    answer: the bytes where granted, and where a grant is refused (a WRITE grant used to
-    read) that region's error alone; the regions after it are still read."""
-    url = node.manager_url
-    blobs = [os.urandom((256 << 10) + i) for i in range(6)]
-    keys = [key(3000 + i) for i in range(len(blobs))]
+def _stored(url: str, transport: Transport, keys: list[str], blobs: list[bytes]) -> list[Any]:
+    """Write and commit each blob under its key; the write regions, in order."""
     writes = []
     for k, blob in zip(keys, blobs, strict=True):
         reply, w = _allocate(url, k, len(blob))
@@ -145,6 +138,19 @@ def test_read_many_reads_each_region_and_isolates_a_refused_one(
             {"lease": reply["lease"], "items": [{"key": k, "checksum": checksum(blob)}]},
         )
         writes.append(w)
+    return writes
+
+
+def test_read_many_reads_each_region_and_isolates_a_refused_one(
+    node: PolarKV, transport: Transport
+) -> None:
+    """read_many (tcp: requests pipelined on one connection) gives every region its own
+    answer: the bytes where granted, and where a grant is refused (a WRITE grant used to
+    read) that region's error alone; the regions after it are still read."""
+    url = node.manager_url
+    blobs = [os.urandom((256 << 10) + i) for i in range(6)]
+    keys = [key(3000 + i) for i in range(len(blobs))]
+    writes = _stored(url, transport, keys, blobs)
     hit = post(url, "/v1/lookup", {"keys": keys})
     reads = [region(hit, e) for e in hit["entries"]]
     outs = [bytearray(len(b)) for b in blobs]
@@ -170,14 +176,7 @@ def test_read_many_of_a_slab_gone_fails_each_region_and_raises_nothing(
     url = node.manager_url
     blobs = [os.urandom(4096 + i) for i in range(3)]
     keys = [key(3100 + i) for i in range(len(blobs))]
-    for k, blob in zip(keys, blobs, strict=True):
-        reply, w = _allocate(url, k, len(blob))
-        transport.write_from(w, memoryview(blob), time.monotonic() + 5)
-        post(
-            url,
-            "/v1/commit",
-            {"lease": reply["lease"], "items": [{"key": k, "checksum": checksum(blob)}]},
-        )
+    _stored(url, transport, keys, blobs)
     hit = post(url, "/v1/lookup", {"keys": keys})
     moves = [(region(hit, e), memoryview(bytearray(e["size"]))) for e in hit["entries"]]
     node.kill()
