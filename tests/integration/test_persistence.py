@@ -21,18 +21,33 @@ def prompt(conv: int, chunks: int) -> list[int]:
     return shared_prompt(conv, chunks, CT)
 
 
-def _rows(metadata_url: str) -> int:
-    """Entries the write-behind has flushed to the metadata store."""
+def _flushed(metadata_url: str, sql: str) -> tuple[int, ...]:
+    """One row of `sql` over what the write-behind has flushed to the metadata store
+    (zeros while the table is not there yet)."""
     if metadata_url.startswith("postgresql"):
-        count = pg("SELECT count(*) FROM polarkv_entries")[0][0]
-        assert isinstance(count, int)
-        return count
+        return tuple(int(v or 0) for v in pg(sql)[0])
     path = metadata_url.removeprefix("sqlite:///")
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)) as conn:
         try:
-            return int(conn.execute("SELECT count(*) FROM polarkv_entries").fetchone()[0])
+            return tuple(int(v or 0) for v in conn.execute(sql).fetchone())
         except sqlite3.OperationalError:  # not created yet, or busy for a moment
-            return 0
+            return (0,)
+
+
+def _rows(metadata_url: str) -> int:
+    """Entries the write-behind has flushed to the metadata store."""
+    return _flushed(metadata_url, "SELECT count(*) FROM polarkv_entries")[0]
+
+
+def _tiers(metadata_url: str) -> tuple[int, ...]:
+    """Flushed entries with a copy in memory, and with one on disk. A row's tiers change
+    without its count changing (an offloaded entry's memory copy dropped later), so
+    counting rows does not say the last changes are flushed."""
+    return _flushed(
+        metadata_url,
+        "SELECT sum(CASE WHEN in_memory THEN 1 ELSE 0 END),"
+        " sum(CASE WHEN on_disk THEN 1 ELSE 0 END) FROM polarkv_entries",
+    )
 
 
 def _manager(cluster: Cluster, port: int, url: str, name: str) -> PolarKV:
@@ -64,9 +79,8 @@ def test_manager_restart_restores_memory_and_disk_entries(
         wait_for(lambda: stats(url)["bytes_offloading"] == 0)  # tiering has settled
         before = stats(url)
         assert before["keys_disk"] > 0 and before["keys_memory"] > 0
-        wait_for(
-            lambda: _rows(metadata_url) >= before["keys_memory"] + before["keys_disk"]
-        )  # flushed
+        flushed = (before["keys_memory"], before["keys_disk"])
+        wait_for(lambda: _tiers(metadata_url) == flushed)  # the last tier changes included
         manager.kill()  # kill -9: no goodbye, no final flush
         assert c.load_kv(prompt(4, 6)) == (0, [])  # down: a miss, nothing raised
         again = _manager(cluster, port, metadata_url, "m2")
