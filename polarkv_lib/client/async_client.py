@@ -182,7 +182,14 @@ class AsyncPolarKVClient:
         """How many leading tokens are cached now (no lease, no transfer): for schedulers."""
         self._check_open()
         keys = self.keys(tokens)
-        return await self._guarded(self._count(keys), 0) * self.chunk_tokens
+        return (await self._guarded(self._count(keys), (0, 0)))[0] * self.chunk_tokens
+
+    async def lookup_kv_tiers(self, tokens: Any) -> tuple[int, int]:
+        """(tokens cached now, how many of them from the start are in memory): a lookup
+        that also tells a load served from memory from one that waits for the disk."""
+        self._check_open()
+        hits, memory = await self._guarded(self._count(self.keys(tokens)), (0, 0))
+        return hits * self.chunk_tokens, memory * self.chunk_tokens
 
     async def put(self, key: str, data: BufferLike) -> bool:
         self._check_open()
@@ -203,7 +210,7 @@ class AsyncPolarKVClient:
         """How many leading keys are stored now (no lease, no transfer)."""
         self._check_open()
         checked = [check_key(k) for k in keys]
-        return await self._guarded(self._count(checked), 0) if checked else 0
+        return (await self._guarded(self._count(checked), (0, 0)))[0] if checked else 0
 
     async def put_many(self, keys: Sequence[str], values: Sequence[BufferLike]) -> int:
         """Store values[i] under keys[i]; how many are now stored (written or present)."""
@@ -464,16 +471,19 @@ class AsyncPolarKVClient:
                 return buffers[:j], [entries[j]["key"]]
         return buffers[:n], []
 
-    async def _count(self, keys: list[str]) -> int:
+    async def _count(self, keys: list[str]) -> tuple[int, int]:
+        """(leading keys stored, leading keys in memory), one window at a time."""
         deadline = time.monotonic() + self.timeout
-        hits = 0
+        hits = memory = 0
         for start in range(0, len(keys), self.window):
             part = keys[start : start + self.window]
             reply = await self._control.lookup(part, deadline, lease=False)
+            if memory == hits:  # a manager that does not say counts nothing in memory
+                memory += min(int(reply.get("memory", 0)), int(reply["hits"]))
             hits += int(reply["hits"])
             if reply["hits"] < len(part):
                 break
-        return hits
+        return hits, memory
 
 
 def client_kwargs(config: Config | ClientConfig, token: str | None) -> dict[str, Any]:

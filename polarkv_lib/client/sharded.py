@@ -146,13 +146,16 @@ class ShardedControl:
         entries: list[dict[str, Any]] = []
         nodes: dict[str, Any] = {}
         rank = {j: (i, n) for i, pos in groups.items() for n, j in enumerate(pos)}
-        hits = 0
+        hits = memory = 0
         for j in range(len(keys)):
             i, n = rank[j]
             reply = replies.get(i)
             if reply is None or n >= int(reply["hits"]):
                 break
             hits += 1
+            # in memory while every key so far is: each shard counts its own from its first
+            if memory == j and n < int(reply.get("memory", 0)):
+                memory += 1
             if lease:
                 entries.append(reply["entries"][n])
         # The stream goes on if the shard of the first key not served stopped right there
@@ -174,6 +177,7 @@ class ShardedControl:
             nodes.update(replies[i].get("nodes", {}))
         return {
             "hits": hits,
+            "memory": memory,
             "entries": entries,
             "nodes": nodes,
             "lease": _join({i: v for i, v in leases.items() if i in keep}),

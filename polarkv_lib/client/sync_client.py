@@ -115,6 +115,11 @@ class PolarKVClient:
         the call is cancelled and answers 0."""
         return self._run(self._client.lookup_kv(tokens), 0, within)
 
+    def lookup_kv_tiers(self, tokens: Any, within: float | None = None) -> tuple[int, int]:
+        """(tokens cached now, how many of them from the start are in memory); `within`
+        as for lookup_kv (past it: (0, 0))."""
+        return self._run(self._client.lookup_kv_tiers(tokens), (0, 0), within)
+
     def put(self, key: str, data: BufferLike) -> bool:
         return self._run(self._client.put(key, data), False)
 

@@ -7,8 +7,9 @@
         "kv_connector_extra_config": {"manager_url": "http://127.0.0.1:8170"}}'
 
 docs/ENGINES.md describes it: settings, chunks, namespace, the chunk byte format
-("pages-v1"), when transfers happen (loads asynchronous by default, or synchronous:
-`"load_mode": "sync"`), and what a fault does (always a miss). Setup and counters are
+("pages-v1"), when transfers happen (`load_mode`: by default a short hit that is all in
+PolarKV's memory loads on the step and any other asynchronously; "async" or "sync" for
+one way always), and what a fault does (always a miss). Setup and counters are
 in vllm_setup.py, loads in vllm_loads.py, the page view and saver in vllm_pages.py.
 """
 
@@ -60,6 +61,7 @@ class LoadOp:
     tokens: list[int]
     block_ids: list[int]
     first_block: int
+    on_step: bool = False  # load before the forward pass (vLLM was told: not async)
 
 
 @dataclass
@@ -111,8 +113,10 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.namespace = ""
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (local tokens, hit tokens)
-        self._hits: dict[str, int] = {}  # req_id -> PolarKV's answer, asked once a request
+        # req_id -> (local tokens, hit tokens, whether the load runs on the step)
+        self._lookups: dict[str, tuple[int, int, bool]] = {}
+        # req_id -> PolarKV's answer (hit tokens, of them in memory), asked once a request
+        self._hits: dict[str, tuple[int, int]] = {}
         self._pending_loads: list[LoadOp] = []
         # worker side
         self._pages: list[Any] = []
@@ -167,7 +171,19 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @property
     def asynchronous(self) -> bool:
-        return self.options.load_mode == "async"
+        """Whether loads may run asynchronously (every mode but "sync")."""
+        return self.options.load_mode != "sync"
+
+    def _on_step(self, hit: int, memory: int) -> bool:
+        """Whether a hit of `hit` tokens, `memory` of them in memory from the first, is
+        loaded on the step: always in sync mode, never in async mode; in auto mode when
+        it is one memory read of at most step_load_limit bytes (a reload from disk, or a
+        long read, would hold every running request's step)."""
+        mode = self.options.load_mode
+        if mode != "auto":
+            return mode == "sync"
+        chunks = hit // self.chunk_tokens
+        return memory >= hit and chunks * self.chunk_bytes <= self.options.step_load_limit
 
     def shutdown(self) -> None:
         if self._loader is not None:
@@ -210,40 +226,42 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if limit <= num_computed_tokens:
             # vLLM's own prefix cache covers every chunk PolarKV could add; those chunks
             # were saved when this engine computed (or loaded) them.
-            self._lookups[request.request_id] = (num_computed_tokens, num_computed_tokens)
+            self._lookups[request.request_id] = (num_computed_tokens, num_computed_tokens, True)
             return 0, False
-        hit = self._hits.get(request.request_id)
-        if hit is None:
-            hit = self._hits[request.request_id] = self._lookup(prompt[:limit])
+        answer = self._hits.get(request.request_id)
+        if answer is None:
+            answer = self._hits[request.request_id] = self._lookup(prompt[:limit])
         else:  # asked again (no room last step, or preempted): the first answer stands
             self.stats.lookups_reused += 1
-        hit = min(hit, limit)
-        self._lookups[request.request_id] = (num_computed_tokens, hit)
+        hit = min(answer[0], limit)
+        on_step = self._on_step(hit, answer[1])
+        self._lookups[request.request_id] = (num_computed_tokens, hit, on_step)
         new = max(0, hit - num_computed_tokens)
-        return new, new > 0 and self.asynchronous
+        return new, new > 0 and not on_step
 
-    def _lookup(self, tokens: list[int]) -> int:
-        """PolarKV's hit for `tokens` (no lease, no transfer), bounded by lookup_timeout:
-        a slow or dead manager costs the scheduler that much at most, and is a miss."""
+    def _lookup(self, tokens: list[int]) -> tuple[int, int]:
+        """PolarKV's hit for `tokens` and how much of it is in memory (no lease, no
+        transfer), bounded by lookup_timeout: a slow or dead manager costs the scheduler
+        that much at most, and is a miss."""
         assert self._client is not None
         self.stats.lookups += 1
         faults = self._client.stats.faults
         try:
-            hit = self._client.lookup_kv(tokens, within=self.options.lookup_timeout)
+            answer = self._client.lookup_kv_tiers(tokens, within=self.options.lookup_timeout)
         except Exception as exc:  # a closed client: the engine never sees our faults
             log.warning("PolarKV lookup became a miss: %r", exc)
-            hit = 0
+            answer = (0, 0)
             self._client.stats.faults += 1
         if self._client.stats.faults != faults:
             self.stats.lookup_faults += 1
-        return hit
+        return answer
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._client is None or not self._cacheable(request):
             return
         assert self._geometry is not None
         req_id = request.request_id
-        local, hit = self._lookups.pop(req_id, (request.num_computed_tokens, 0))
+        local, hit, on_step = self._lookups.pop(req_id, (request.num_computed_tokens, 0, True))
         block_ids = list(blocks.get_block_ids()[0])
         previous = self._tracked.get(req_id)
         known = max(hit // self.chunk_tokens, previous.saved_chunks if previous else 0)
@@ -261,6 +279,7 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 tokens[: -(-end // self.chunk_tokens) * self.chunk_tokens],
                 block_ids[first_block:last_block],
                 first_block,
+                on_step,
             )
         )
 
@@ -353,7 +372,9 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     chunk = position // per_chunk
                     tracked.saved_chunks = min(tracked.saved_chunks, chunk)
                     if req_id in self._hits:
-                        self._hits[req_id] = min(self._hits[req_id], chunk * self.chunk_tokens)
+                        hit, memory = self._hits[req_id]
+                        cut = chunk * self.chunk_tokens
+                        self._hits[req_id] = (min(hit, cut), min(memory, cut))
                     break
 
     def request_finished(
@@ -402,17 +423,18 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return len(self._geometry.layers) * self._blocks_per_chunk * self._geometry.page_bytes
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Asynchronous mode: hand each load to the loader and return (vLLM calls this
-        after launching the forward pass). Synchronous mode: load before the forward."""
+        """Hand each asynchronous load to the loader and return; run each load vLLM was
+        told is not asynchronous (`on_step`) here, before the forward pass."""
         self._failed_reqs = set()
         meta = self._connector_metadata
         if not isinstance(meta, PolarKVConnectorMetadata) or not meta.loads:
             return
         for op in meta.loads:
             self.stats.loads += 1
-            if self._loader is not None:
+            if self._loader is not None and not op.on_step:
                 self._loader.submit(op)
                 continue
+            self.stats.step_loads += 1
             try:
                 if self._client is None or self._target is None:
                     raise RuntimeError("no client or no KV caches registered")

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from polarkv_lib.config import parse_size
 from polarkv_lib.integrations.common import AdapterSettings, namespace
 from polarkv_lib.integrations.cpu_affinity import parse_cpus
 from polarkv_lib.integrations.vllm_pages import PageGeometry
@@ -25,17 +26,25 @@ log = logging.getLogger("polarkv.integrations.vllm")
 
 CHUNK_FORMAT = "pages-v1"
 MIN_DEFAULT_CHUNK_TOKENS = 256
-LOAD_MODES = ("async", "sync")
+LOAD_MODES = ("auto", "async", "sync")
+# auto's bound on a load it runs on the step: 16 MiB from memory took ~14 ms (read and
+# scatter) with the CPU build here (docs/BENCHMARKS.md, bench stall), so this much costs
+# the step about one decode step's time; over RDMA into a GPU, a few milliseconds.
+DEFAULT_STEP_LOAD_LIMIT = 32 << 20
 
 
 @dataclass(frozen=True)
 class ConnectorOptions:
     """The vLLM connector's own keys of kv_connector_extra_config (docs/ENGINES.md)."""
 
-    load_mode: str = "async"  # "async": the step never waits for a load; "sync": it does
+    # "auto": on the step when the hit is all in PolarKV's memory and at most
+    # step_load_limit bytes, else asynchronously; "async": the step never waits for a
+    # load; "sync": it always does.
+    load_mode: str = "auto"
     lookup_timeout: float = 0.2  # seconds the scheduler's loop gives one lookup
     load_threads: int = 2  # concurrent asynchronous loads per worker
     io_cpus: str = "auto"  # where the loader, saver and client threads run (cpu_affinity)
+    step_load_limit: int = DEFAULT_STEP_LOAD_LIMIT  # bytes: auto's largest load on the step
 
 
 def options_from_extra(extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -62,7 +71,14 @@ def options_from_extra(extra: Mapping[str, Any] | None) -> ConnectorOptions:
                 f'PolarKV: \'io_cpus\' must be "auto", "none" or a CPU list like "1,3-4" '
                 f"(got {cpus!r})"
             ) from None
-    return ConnectorOptions(str(mode), float(bound), threads, cpus)
+    limit = extra.get("step_load_limit", defaults.step_load_limit)
+    try:
+        limit = parse_size(limit)
+    except ValueError:
+        raise ValueError(
+            f"PolarKV: 'step_load_limit' must be a size like \"16MiB\" (got {limit!r})"
+        ) from None
+    return ConnectorOptions(str(mode), float(bound), threads, cpus, limit)
 
 
 @dataclass
@@ -74,6 +90,7 @@ class ConnectorStats:
     lookup_faults: int = 0  # timed out or failed: a miss
     hit_tokens: int = 0
     loads: int = 0  # load operations started (one per request and step)
+    step_loads: int = 0  # of them, run on the step (sync mode, auto's short memory hits)
     cancelled_loads: int = 0  # the request finished or was aborted while loading
     loaded_chunks: int = 0
     loaded_tokens: int = 0
@@ -158,6 +175,7 @@ PROM_COUNTERS: dict[str, str] = {
     "lookup_faults": "Lookups that timed out or failed (each a miss)",
     "hit_tokens": "Prompt tokens PolarKV had and the scheduler chose to load",
     "loads": "Load operations started (one per request and step)",
+    "step_loads": "Loads run on the step (synchronous mode, or auto's short memory hits)",
     "cancelled_loads": "Loads cancelled: the request finished or was aborted while loading",
     "loaded_chunks": "Chunks loaded from PolarKV into vLLM's KV cache",
     "loaded_tokens": "Tokens loaded from PolarKV into vLLM's KV cache",

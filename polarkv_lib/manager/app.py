@@ -388,9 +388,13 @@ class ManagerService:
                 for e, k in zip(hits, req.keys, strict=False)
             ]
         )
+        # How many of the hits, from the first, are in memory now: a scheduler's way to
+        # tell a load that is one memory read from one that waits for the disk.
+        memory = next((i for i, e in enumerate(hits) if not e.in_memory), len(hits))
         return json_response(
             {
                 "hits": len(hits),
+                "memory": memory,
                 "lease": lease,
                 "more": op.more,
                 "nodes": nodes,

@@ -219,6 +219,7 @@ def openapi_spec(max_batch: int = 4096, max_object_size: int = 256 << 20) -> dic
                 obj(
                     {
                         "hits": INT,
+                        "memory": INT,  # of the hits, from the first, in memory now
                         "lease": NULLABLE_LEASE,
                         "more": {"type": "boolean"},
                         "nodes": {"type": "object", "additionalProperties": NODE_VIEW},

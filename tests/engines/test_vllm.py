@@ -363,6 +363,8 @@ def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
         build(url="127.0.0.1:8170")
     with pytest.raises(ValueError, match="load_mode"):
         build(load_mode="eager")
+    with pytest.raises(ValueError, match="step_load_limit"):
+        build(step_load_limit="a lot")
     with pytest.raises(ValueError, match="lookup_timeout"):
         build(lookup_timeout=0)
     with pytest.raises(ValueError, match="load_threads"):
@@ -502,7 +504,7 @@ def test_async_load_leaves_other_requests_running(
 ) -> None:
     shared = prompt(11, 2 * CHUNK)
     engines.append(saved_engine(model_config, polarkv.manager_url, shared))
-    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="async"))
     engines.append(b)
     assert b.connector.asynchronous and b.worker.asynchronous
     second = [*shared, *prompt(12, 90)]
@@ -548,7 +550,7 @@ def test_async_load_failure_is_recomputed(
     same load again)."""
     tokens = prompt(14 + 100 * deleted, 3 * CHUNK + 32)
     engines.append(saved_engine(model_config, polarkv.manager_url, tokens))
-    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="async"))
     engines.append(b)
     b.add("b1", tokens)
     out = b.scheduler.schedule()  # the lookup: all three chunks are there
@@ -585,7 +587,7 @@ def test_request_aborted_while_loading_releases_its_blocks(
 ) -> None:
     tokens = prompt(15, 2 * CHUNK + 20)
     engines.append(saved_engine(model_config, polarkv.manager_url, tokens))
-    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="async"))
     engines.append(b)
     pool = b.scheduler.kv_cache_manager.block_pool
     free = pool.get_num_free_blocks()
@@ -653,7 +655,7 @@ def test_sync_mode_loads_before_the_forward_pass(
 ) -> None:
     tokens = prompt(17, 2 * CHUNK + 1)
     request = Request("r", tokens, SamplingParams(max_tokens=1), None)
-    for mode, expected in (("sync", False), ("async", True)):
+    for mode, expected in (("sync", False), ("async", True), ("auto", False)):
         config = vllm_config(model_config, polarkv.manager_url, load_mode=mode)
         scheduler_side = KVConnectorFactory.create_connector(
             config, KVConnectorRole.SCHEDULER, kv_cache_config(config)
@@ -666,6 +668,70 @@ def test_sync_mode_loads_before_the_forward_pass(
             assert scheduler_side.get_num_new_matched_tokens(request, 2 * CHUNK) == (0, False)
         finally:
             scheduler_side.shutdown()
+
+
+def test_auto_mode_loads_a_short_memory_hit_on_the_step(
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+) -> None:
+    """The default: a hit that is one memory read of at most step_load_limit loads before
+    the forward pass that computes the rest of the prompt, in the same step."""
+    shared = prompt(19, 2 * CHUNK)
+    engines.append(saved_engine(model_config, polarkv.manager_url, shared))
+    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    engines.append(b)
+    assert b.connector.options.load_mode == "auto" and b.worker._loader is not None
+    second = [*shared, *prompt(20, 90)]
+    b.add("b1", second)
+    out, kv_output = b.step()
+    assert out.num_scheduled_tokens == {"b1": len(second) - 2 * CHUNK} and out.has_sync_kv_loads
+    (load,) = out.kv_connector_metadata.loads
+    assert load.on_step and not kv_output.finished_recving
+    assert b.worker.stats.step_loads == 1 and b.worker.stats.loaded_chunks == 2
+    assert b.worker._loader.in_flight == 0
+    assert same_bytes(b.kv("b1", 0, len(second)), b.expected("b1", 0, len(second)))
+
+
+def test_auto_mode_loads_disk_and_long_hits_asynchronously(
+    model_config: ModelConfig, tmp_path: Path
+) -> None:
+    """A hit that must come back from PolarKV's disk, or is longer than step_load_limit,
+    would hold every running request's step: it loads asynchronously."""
+    cluster = Cluster(tmp_path)
+    sides: list[Any] = []
+    try:
+        node = cluster.embedded(disk=True, slab__memory="2MiB", disk__capacity="64MiB")
+        url = node.manager_url
+        for extra in ({}, {"step_load_limit": "1KiB"}):
+            config = vllm_config(model_config, url, **extra)
+            sides.append(
+                KVConnectorFactory.create_connector(
+                    config, KVConnectorRole.SCHEDULER, kv_cache_config(config)
+                )
+            )
+        auto, limited = sides
+        assert auto.namespace == limited.namespace
+        prompts = [prompt(30 + i, 2 * CHUNK + 1) for i in range(8)]
+        with PolarKVClient(url, auto.namespace, CHUNK) as client:
+            for tokens in prompts:  # 8 x 512 KiB through 2 MiB: the first go to disk
+                assert client.store_kv(tokens, [os.urandom(256 << 10) for _ in range(2)]) == 2
+            keys = client.keys(prompts[0])
+        wait_for(
+            lambda: all(http("GET", f"{url}/v1/keys/{k}")[1]["tiers"] == ["disk"] for k in keys)
+        )
+
+        def ask(side: Any, name: str, tokens: list[int]) -> tuple[int, bool]:
+            request = Request(name, tokens, SamplingParams(max_tokens=1), None)
+            answer: tuple[int, bool] = side.get_num_new_matched_tokens(request, 0)
+            return answer
+
+        assert ask(auto, "latest", prompts[-1]) == (2 * CHUNK, False)  # in memory: on the step
+        assert ask(auto, "oldest", prompts[0]) == (2 * CHUNK, True)  # on disk: asynchronous
+        assert ask(limited, "long", prompts[-1]) == (2 * CHUNK, True)  # past the limit
+        assert ask(auto, "none", prompt(99, 2 * CHUNK + 1)) == (0, False)
+    finally:
+        for side in sides:
+            side.shutdown()
+        cluster.close()
 
 
 def test_a_rank_vllm_cannot_tell_stops_the_connector(

@@ -282,3 +282,28 @@ def test_delete_removes_the_file_and_restart_adopts_the_rest(cluster: Cluster) -
         n_tokens, views = c.load_kv(prompt(1, 8))
         assert n_tokens == 7 * CT  # chunk 7 was deleted
         assert [bytes(v) for v in views] == chunks[:7]
+
+
+def test_a_lease_free_lookup_says_how_much_of_the_hit_is_in_memory(cluster: Cluster) -> None:
+    """What a scheduler asks before it picks how to load (vLLM's "auto" loads): the hit,
+    and how many of its chunks from the first are in memory now; asking moves nothing."""
+    node = cluster.embedded(disk=True, slab__memory="8MiB", disk__capacity="256MiB")
+    url = node.manager_url
+    with PolarKVClient(url, chunk_tokens=CT, timeout=10) as c:
+        for conv in range(4):  # 4 x 4 MiB through 8 MiB of memory: the first go to disk
+            assert c.store_kv(prompt(conv, 4), [os.urandom(MiB) for _ in range(4)]) == 4
+        keys = c.keys(prompt(0, 4))
+        wait_for(
+            lambda: all(http("GET", f"{url}/v1/keys/{k}")[1]["tiers"] == ["disk"] for k in keys)
+        )
+        before = stats(url)
+        assert c.lookup_kv_tiers(prompt(0, 4)) == (4 * CT, 0)  # on disk: a hit, none in memory
+        assert c.lookup_kv_tiers(prompt(3, 4)) == (4 * CT, 4 * CT)  # the latest: all in memory
+        assert c.lookup_kv_tiers(prompt(9, 4)) == (0, 0)
+        # a longer prompt whose first chunks are in memory and the rest not stored
+        assert c.lookup_kv_tiers([*prompt(3, 4), 1, 2, 3, 4]) == (4 * CT, 4 * CT)
+        assert c.lookup_kv(prompt(0, 4)) == 4 * CT
+        after = stats(url)
+        assert after["reloads"] == before["reloads"] and after["keys_disk"] == before["keys_disk"]
+        assert c.load_kv(prompt(0, 4))[0] == 4 * CT  # a load does reload them
+        assert stats(url)["reloads"] > before["reloads"]

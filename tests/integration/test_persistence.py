@@ -25,7 +25,7 @@ def _flushed(metadata_url: str, sql: str) -> tuple[int, ...]:
     """One row of `sql` over what the write-behind has flushed to the metadata store
     (zeros while the table is not there yet)."""
     if metadata_url.startswith("postgresql"):
-        return tuple(int(v or 0) for v in pg(sql)[0])
+        return tuple(int(str(v or 0)) for v in pg(sql)[0])  # count and sum: int, Decimal
     path = metadata_url.removeprefix("sqlite:///")
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)) as conn:
         try:

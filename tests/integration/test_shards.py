@@ -119,6 +119,8 @@ def test_store_and_load_across_shards(sharded: Sharded) -> None:
     tokens = list(range(64 * CHUNK_TOKENS))
     with PolarKVClient(urls, namespace="shards", chunk_tokens=CHUNK_TOKENS, timeout=5.0) as client:
         assert client.store_kv(tokens, [chunk(i) for i in range(64)]) == 64
+        # every shard's keys in memory: the merged answer says all of the hit is
+        assert client.lookup_kv_tiers(tokens) == (64 * CHUNK_TOKENS, 64 * CHUNK_TOKENS)
         before = [stats(s.manager_url)["lookups"] for s in shards]
         n_tokens, views = client.load_kv(tokens)
         after = [stats(s.manager_url)["lookups"] for s in shards]

