@@ -7,9 +7,9 @@
         "kv_connector_extra_config": {"manager_url": "http://127.0.0.1:8170"}}'
 
 docs/ENGINES.md describes it: settings, chunks, namespace, the chunk byte format
-("pages-v1"), when transfers happen (`load_mode`: by default a short hit that is all in
-PolarKV's memory loads on the step and any other asynchronously; "async" or "sync" for
-one way always), and what a fault does (always a miss). Setup and counters are
+("pages-v1"), when transfers happen (`load_mode`: asynchronous by default; "sync" on
+the step; "auto" on the step for a short hit all in PolarKV's memory, else
+asynchronously), and what a fault does (always a miss). Setup and counters are
 in vllm_setup.py, loads in vllm_loads.py, the page view and saver in vllm_pages.py.
 """
 

