@@ -412,7 +412,12 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             pin(self._saver.thread_id, cpus)
         if self._loader is None and self.asynchronous:
             self._loader = Loader(
-                self._client, self._target, self.stats, self.options.load_threads, cpus
+                self._client,
+                self._target,
+                self.stats,
+                self.options.load_threads,
+                cpus,
+                self.options.load_switch_interval,
             )
         if cpus is not None:
             log.info("PolarKV: connector threads on CPUs %s", sorted(cpus))

@@ -45,6 +45,9 @@ class ConnectorOptions:
     load_threads: int = 2  # concurrent asynchronous loads per worker
     io_cpus: str = "auto"  # where the loader, saver and client threads run (cpu_affinity)
     step_load_limit: int = DEFAULT_STEP_LOAD_LIMIT  # bytes: auto's largest load on the step
+    # seconds: the worker's GIL switch interval while asynchronous loads are in flight
+    # (vllm_loads.Loader._quicken); 0 leaves Python's own (5 ms)
+    load_switch_interval: float = 0.0005
 
 
 def options_from_extra(extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -78,7 +81,10 @@ def options_from_extra(extra: Mapping[str, Any] | None) -> ConnectorOptions:
         raise ValueError(
             f"PolarKV: 'step_load_limit' must be a size like \"16MiB\" (got {limit!r})"
         ) from None
-    return ConnectorOptions(str(mode), float(bound), threads, cpus, limit)
+    switch = extra.get("load_switch_interval", defaults.load_switch_interval)
+    if not isinstance(switch, int | float) or isinstance(switch, bool) or not 0 <= switch <= 1:
+        raise ValueError("PolarKV: 'load_switch_interval' must be 0..1 seconds (0: leave it)")
+    return ConnectorOptions(str(mode), float(bound), threads, cpus, limit, float(switch))
 
 
 @dataclass

@@ -365,6 +365,8 @@ def test_chunk_tokens_follow_the_block_size_and_bad_settings_raise(
         build(load_mode="eager")
     with pytest.raises(ValueError, match="step_load_limit"):
         build(step_load_limit="a lot")
+    with pytest.raises(ValueError, match="load_switch_interval"):
+        build(load_switch_interval=-1)
     with pytest.raises(ValueError, match="lookup_timeout"):
         build(lookup_timeout=0)
     with pytest.raises(ValueError, match="load_threads"):
@@ -621,6 +623,44 @@ def test_request_aborted_while_loading_releases_its_blocks(
     assert pool.get_num_free_blocks() == free
     assert b.worker.stats.cancelled_loads == 1 and b.worker.stats.loaded_chunks == 0
     assert b.worker._loader is not None and b.worker._loader.in_flight == 0
+
+
+def test_the_gil_is_handed_over_sooner_only_while_a_load_is_in_flight(
+    model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
+) -> None:
+    tokens = prompt(21, 2 * CHUNK + 20)
+    engines.append(saved_engine(model_config, polarkv.manager_url, tokens))
+    b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="async"))
+    engines.append(b)
+    client = b.worker._client
+    assert client is not None
+    gate, real_load = threading.Event(), client.load_kv
+
+    def gated_load(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(10)
+        return real_load(*args, **kwargs)
+
+    client.load_kv = gated_load  # type: ignore[method-assign]
+    before = sys.getswitchinterval()
+    assert before > 0.0005
+    try:
+        b.add("b1", tokens)
+        b.step()  # the load is handed to the loader and waits at the gate
+        assert sys.getswitchinterval() == 0.0005
+        b.step()  # still loading: still quick
+        assert sys.getswitchinterval() == 0.0005
+        gate.set()
+        steps_until_scheduled(b, "b1")
+        assert sys.getswitchinterval() == before  # nothing in flight: Python's own again
+        assert b.worker.stats.loaded_chunks == 2
+    finally:
+        gate.set()
+        sys.setswitchinterval(before)
+    off = Engine(vllm_config(model_config, polarkv.manager_url, load_switch_interval=0))
+    engines.append(off)
+    off.add("c1", tokens)
+    off.step()
+    assert sys.getswitchinterval() == before  # 0: left alone
 
 
 def test_lookup_of_a_silent_manager_is_bounded_and_asked_once(
