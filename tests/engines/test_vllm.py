@@ -501,6 +501,20 @@ def steps_until_scheduled(engine: Engine, req_id: str, limit: int = 50) -> tuple
     raise AssertionError(f"{req_id} was never scheduled")
 
 
+def gate_loads(engine: Engine) -> threading.Event:
+    """Hold the worker's real loads at their start until the returned event is set."""
+    client = engine.worker._client
+    assert client is not None
+    gate, real_load = threading.Event(), client.load_kv
+
+    def gated_load(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(10)
+        return real_load(*args, **kwargs)
+
+    client.load_kv = gated_load  # type: ignore[method-assign]
+    return gate
+
+
 def test_async_load_leaves_other_requests_running(
     model_config: ModelConfig, polarkv: PolarKV, engines: list[Engine]
 ) -> None:
@@ -594,15 +608,7 @@ def test_request_aborted_while_loading_releases_its_blocks(
     pool = b.scheduler.kv_cache_manager.block_pool
     free = pool.get_num_free_blocks()
     # Hold the real load at its start, so the abort lands while it is in flight.
-    client = b.worker._client
-    assert client is not None
-    gate, real_load = threading.Event(), client.load_kv
-
-    def gated_load(*args: Any, **kwargs: Any) -> Any:
-        assert gate.wait(10)
-        return real_load(*args, **kwargs)
-
-    client.load_kv = gated_load  # type: ignore[method-assign]
+    gate = gate_loads(b)
     b.add("b1", tokens)
     out, kv_output = b.step()
     assert not out.num_scheduled_tokens and not kv_output.finished_recving
@@ -632,15 +638,7 @@ def test_the_gil_is_handed_over_sooner_only_while_a_load_is_in_flight(
     engines.append(saved_engine(model_config, polarkv.manager_url, tokens))
     b = Engine(vllm_config(model_config, polarkv.manager_url, load_mode="async"))
     engines.append(b)
-    client = b.worker._client
-    assert client is not None
-    gate, real_load = threading.Event(), client.load_kv
-
-    def gated_load(*args: Any, **kwargs: Any) -> Any:
-        assert gate.wait(10)
-        return real_load(*args, **kwargs)
-
-    client.load_kv = gated_load  # type: ignore[method-assign]
+    gate = gate_loads(b)
     before = sys.getswitchinterval()
     assert before > 0.0005
     try:
