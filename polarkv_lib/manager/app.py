@@ -368,6 +368,8 @@ class ManagerService:
         self.guard.check(req.keys)
         tenant, scoped = self._scope(request, req.keys)
         op = self.meta.open_lookup(scoped, req.lease, tenant, req.wait, req.resume)
+        if op.lease:  # a stream let go of the window it read: lookups waiting for room go
+            self._signal_freed()
         try:
             step = self.meta.advance_lookup(op)
             while step.wait is not Wait.DONE:

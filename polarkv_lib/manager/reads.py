@@ -197,7 +197,10 @@ class Reads(Draining):
         # now. Wait for room where it is coming; a waiting request holds nothing.
         node = op.stop_node
         assert node is not None
-        coming = self._room_coming(node)
+        # In line behind lookups waiting there, room is coming whatever the node holds:
+        # the waiters are being handed it (memory all clean copies, free to drop, made
+        # this a miss when only offloads and held extents counted).
+        coming = self._room_coming(node) or bool(node.room_waiters)
         if coming and self.clock() < op.deadline:
             op.waiting_on, op.waited = node, True
             node.room_waiters += 1

@@ -481,3 +481,22 @@ def test_a_lookup_does_not_wait_for_a_reload_on_a_node_that_died() -> None:
     step = md.advance_lookup(op)  # ... and the next step must not wait for it again
     assert step.wait is Wait.DONE, step
     md.close_lookup(op)
+
+
+def test_a_newcomer_in_line_while_memory_is_all_clean_copies_waits_and_is_served() -> None:
+    """Room that is free to take (clean copies, dropped without a write) is room coming
+    for a lookup in line behind a waiter: it used to be answered as a miss at once."""
+    md, _, d = make()
+    adopt(md, d, D[:12])
+    hits, _ = load(md, D[:9], disk_role(md))
+    assert len(hits) == 9 and d.clean_extent == d.allocator.used == 9 * CHUNK
+    held = pin(md, D[:9])  # memory full, all of it being read
+    first, step = start_lookup(md, [D[10]], wait=5.0)
+    assert step.wait is Wait.ROOM and d.room_waiters == 1
+    md.release([held])  # all of memory is clean copies now; the waiter not woken yet
+    newcomer, step = start_lookup(md, [D[11]], wait=5.0)
+    assert step.wait is Wait.ROOM and not newcomer.done and d.room_waiters == 2
+    assert [e.key for e in finish_lookup(md, first, meanwhile=disk_role(md)).served] == [D[10]]
+    assert [e.key for e in finish_lookup(md, newcomer, meanwhile=disk_role(md)).served] == [D[11]]
+    assert d.room_waiters == 0
+    md.release([first.lease, newcomer.lease])  # type: ignore[list-item]
