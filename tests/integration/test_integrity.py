@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from polarkv_lib.client import PolarKVClient
 from tests.conftest import Cluster, http, stats, wait_for
 from tests.integration.raw import post
@@ -12,13 +14,21 @@ from tests.integration.raw import post
 CT = 4
 
 
-def test_a_corrupted_chunk_is_a_miss_and_its_entry_is_dropped(cluster: Cluster) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])  # shm: hashed beside the next copy
+def test_a_corrupted_chunk_is_a_miss_and_its_entry_is_dropped(
+    cluster: Cluster, transport: str
+) -> None:
     node = cluster.embedded(slab__transports="tcp,shm")
     url = node.manager_url
     tokens = list(range(3 * CT))
     chunks = [os.urandom(64 * 1024) for _ in range(3)]
-    with PolarKVClient(url, chunk_tokens=CT, timeout=3.0, transport="tcp") as client:
+    # one connection: the load's three reads are one run on one pool thread
+    with PolarKVClient(
+        url, chunk_tokens=CT, timeout=3.0, transport=transport, connections=1
+    ) as client:
         assert client.store_kv(tokens, chunks) == 3
+        n_tokens, views = client.load_kv(tokens)  # whole, each chunk checked
+        assert n_tokens == 3 * CT and [bytes(v) for v in views] == chunks
         keys = client.keys(tokens)
         # Flip bytes of the middle chunk where the slab holds it (its buffer file).
         reply = post(url, "/v1/lookup", {"keys": keys[1:2]})
