@@ -159,8 +159,7 @@ class Transfers:
         error: PolarKVError | None,
         failures: list[int],
     ) -> str | None:
-        """A transfer's outcome: its checksum, or None (counted; a slab that did not
-        answer opens its breaker, so the next transfers to it fail fast for a while)."""
+        """A transfer's outcome: its checksum, or None (`_moved`)."""
         return checksum(view) if self._moved(breaker, region, error, failures) else None
 
     @staticmethod

@@ -166,12 +166,12 @@ class Loader:
         """While a load is in flight, hand the GIL over sooner. The worker's main thread
         runs vLLM's Python almost without pause, and a thread waiting for the GIL gets it
         only at the next forced switch (5 ms by default); a load makes hundreds of such
-        hand-offs (the client's event loop, the transfers, the scatter), so beside a
-        running forward pass it took 0.4-5 s in 5 of 12 runs of `bench stall` against
-        0.1-0.3 s at 0.5 ms (it shortens the stall, it does not end it: docs/ENGINES.md,
-        "The GIL while a load is in flight"). Put back once nothing loads, so decode
-        steps without loads do not pay for the extra switches. Called from the worker's
-        main thread only (start_load_kv and get_finished)."""
+        hand-offs (the client's event loop, the transfers, the scatter): at 0.5 ms the
+        single-configuration disk-tier runs of `bench stall` had a median worst gap of
+        42 ms against 238 ms (docs/ENGINES.md, "The GIL while a load is in flight"; their
+        multi-second stalls were a manager bug, since fixed). Put back once nothing
+        loads, so decode steps without loads do not pay for the extra switches. Called
+        from the worker's main thread only (start_load_kv and get_finished)."""
         if self._switch_interval and self._saved_interval is None:
             self._saved_interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._saved_interval, self._switch_interval))

@@ -200,7 +200,7 @@ class Reads(Draining):
         # In line behind lookups waiting there, room is coming whatever the node holds:
         # the waiters are being handed it (memory all clean copies, free to drop, made
         # this a miss when only offloads and held extents counted).
-        coming = self._room_coming(node) or bool(node.room_waiters)
+        coming = self._room_coming(node) or (node.alive and bool(node.room_waiters))
         if coming and self.clock() < op.deadline:
             op.waiting_on, op.waited = node, True
             node.room_waiters += 1
