@@ -153,6 +153,31 @@ def test_four_loaders_of_twice_memory_each_all_complete_at_once(
     assert after["bytes_memory_allocated"] <= 32 * MiB
 
 
+def test_loaders_and_storers_at_once_through_a_fraction_of_memory_each_get_it_whole(
+    cluster: Cluster,
+) -> None:
+    """Eight processes at once through 8 MiB (7 MiB under the watermark): four load 24 MiB
+    prompts from disk while four store and load their own; every stream's share of memory
+    is one 2 MiB chunk at a time, so lookups and writes queue for room the whole time."""
+    node = cluster.embedded(disk=True, slab__memory="8MiB", disk__capacity="1GiB")
+    url = node.manager_url
+    for s in range(4):
+        with PolarKVClient(url, chunk_tokens=CT, timeout=60) as client:
+            assert client.store_kv(prompt(60 + s, 12, CT), _chunks(60 + s, 12, 2 * MiB)) == 12
+    wait_for(lambda: _settled(url), timeout=30)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(8) as p:
+        loads = [p.apply_async(_load, (url, 60 + s, 12, 2 * MiB, 60.0)) for s in range(4)]
+        stores = [
+            p.apply_async(_store_then_load, (url, 70 + s, 12, 2 * MiB, 60.0)) for s in range(4)
+        ]
+        assert [j.get(timeout=120) for j in loads] == [(12, True)] * 4
+        assert [j.get(timeout=120) for j in stores] == [(12, 12, True)] * 4
+    wait_for(lambda: _settled(url), timeout=30)
+    s = stats(url)
+    assert s["tier_failures"] == 0 and s["bytes_memory_allocated"] <= 8 * MiB
+
+
 def test_one_prompt_of_three_times_memory_loads_what_it_stored(cluster: Cluster) -> None:
     node = cluster.embedded(disk=True, slab__memory="16MiB", disk__capacity="1GiB")
     assert _store_then_load(node.manager_url, 30, 48, MiB, 30.0) == (48, 48, True)
