@@ -174,8 +174,8 @@ def test_loaders_and_storers_at_once_through_a_fraction_of_memory_each_get_it_wh
         assert [j.get(timeout=120) for j in loads] == [(12, True)] * 4
         assert [j.get(timeout=120) for j in stores] == [(12, 12, True)] * 4
     wait_for(lambda: _settled(url), timeout=30)
-    s = stats(url)
-    assert s["tier_failures"] == 0 and s["bytes_memory_allocated"] <= 8 * MiB
+    after = stats(url)
+    assert after["tier_failures"] == 0 and after["bytes_memory_allocated"] <= 8 * MiB
 
 
 def test_one_prompt_of_three_times_memory_loads_what_it_stored(cluster: Cluster) -> None:
