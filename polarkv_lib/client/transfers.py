@@ -1,7 +1,7 @@
 """The client's data plane: which transport moves a region, at most `connections`
 transfers at once in a thread pool, a circuit breaker per slab, and each chunk's
-checksum: taken in the thread that moved it, or, for a run of copies from shared
-memory, on a hashing thread beside the next copy (client/async_client.py composes it).
+checksum: taken in the thread that moved it, or, for a run of reads from one slab, on a
+hashing thread while the next ones arrive (client/async_client.py composes it).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class Transfers:
         self._pool = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="polarkv-xfer")
         # Copy then hash on one thread reaches at most 0.66 of memcpy (xxh3 35 GiB/s,
         # memmove 17.8 GiB/s, both without the GIL): a run's chunk i is hashed here
-        # while chunk i+1 is copied. Started on first use.
+        # while chunk i+1 is copied or received. Started on first use.
         self._hasher = ThreadPoolExecutor(
             max_workers=connections, thread_name_prefix="polarkv-hash"
         )
@@ -112,8 +112,8 @@ class Transfers:
         At most `connections` pool tasks each move every n-th region in turn, rather than
         one task per region: a dispatch to the pool costs tens of microseconds, a tenth of
         a 1 MiB shm copy. A task's consecutive reads from one slab go as one read_many
-        (pipelined on tcp). Each chunk is hashed in the same task right after its copy,
-        while its bytes are still in cache, and on all pool threads at once."""
+        (pipelined on tcp), its chunks hashed on the hashing pool while the next ones
+        arrive; any other chunk is hashed in its task right after its transfer."""
 
         def move(part: range) -> list[str | None]:
             with self._queue_lock:
@@ -180,49 +180,38 @@ class Transfers:
     def _read_run(
         self, run: list[tuple[Region, memoryview]], deadline: float, failures: list[int]
     ) -> list[str | None]:
-        """Reads of one slab, in a pool thread."""
+        """Reads of one slab, in a pool thread (one read_many: tcp pipelines them). Each
+        chunk of a run of several is hashed on the hashing pool as soon as it is in,
+        while the next ones arrive; a lone chunk here, at once."""
         transport = pick(self._transports, run[0][0].node)
         if transport is None:
             return [None] * len(run)
-        if not transport.batches_reads:
-            return self._read_hashing_aside(run, deadline, failures)
         breaker = self._breaker(run[0][0].node.address)
         try:
             breaker.check()
         except NetworkError as exc:
             return [self._settled(breaker, r, v, exc, failures) for r, v in run]
-        errors = transport.read_many(run, deadline)
-        return [
-            self._settled(breaker, r, v, e, failures) for (r, v), e in zip(run, errors, strict=True)
-        ]
-
-    def _read_hashing_aside(
-        self, run: list[tuple[Region, memoryview]], deadline: float, failures: list[int]
-    ) -> list[str | None]:
-        """Reads one by one (shared memory, RDMA: a copy each), every chunk but the last
-        hashed on the hashing pool while the next one is copied."""
         if len(run) == 1:
-            return [self._one(False, *run[0], deadline, failures)]
-        hashes: list[Future[str] | None] = []
-        for region, view in run:
-            moved = self._move_one(False, region, view, deadline, failures)
-            hashes.append(self._hasher.submit(checksum, view) if moved else None)
-        return [None if h is None else h.result() for h in hashes]
+            (error,) = transport.read_many(run, deadline)
+            return [self._settled(breaker, *run[0], error, failures)]
+        hashes: dict[int, Future[str]] = {}
+
+        def arrived(i: int) -> None:
+            hashes[i] = self._hasher.submit(checksum, run[i][1])
+
+        errors = transport.read_many(run, deadline, arrived)
+        return [
+            hashes[i].result() if self._moved(breaker, r, e, failures) else None
+            for i, ((r, _), e) in enumerate(zip(run, errors, strict=True))
+        ]
 
     def _one(
         self, write: bool, region: Region, view: memoryview, deadline: float, failures: list[int]
     ) -> str | None:
         """One transfer and its checksum, in a pool thread."""
-        moved = self._move_one(write, region, view, deadline, failures)
-        return checksum(view) if moved else None
-
-    def _move_one(
-        self, write: bool, region: Region, view: memoryview, deadline: float, failures: list[int]
-    ) -> bool:
-        """One transfer, in a pool thread; whether it moved the bytes."""
         transport = pick(self._transports, region.node)
         if transport is None:
-            return False
+            return None
         breaker = self._breaker(region.node.address)
         error: PolarKVError | None = None
         try:
@@ -230,4 +219,4 @@ class Transfers:
             (transport.write_from if write else transport.read_into)(region, view, deadline)
         except PolarKVError as exc:
             error = exc
-        return self._moved(breaker, region, error, failures)
+        return self._settled(breaker, region, view, error, failures)

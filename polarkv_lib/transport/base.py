@@ -10,7 +10,7 @@ third-party exception.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from polarkv_lib.errors import PolarKVError
@@ -38,10 +38,6 @@ class Region:
 
 class Transport(ABC):
     name: str
-    # Whether read_many does better than one read_into after another (tcp pipelines its
-    # requests). Where it does not, the client reads and hashes one region at a time,
-    # each while its bytes are still in cache.
-    batches_reads: bool = False
 
     @abstractmethod
     def usable(self, node: NodeTarget) -> bool:
@@ -56,18 +52,26 @@ class Transport(ABC):
         """Copy `view` (len(view) == region.size) into the region."""
 
     def read_many(
-        self, moves: Sequence[tuple[Region, memoryview]], deadline: float
+        self,
+        moves: Sequence[tuple[Region, memoryview]],
+        deadline: float,
+        arrived: Callable[[int], None] | None = None,
     ) -> list[PolarKVError | None]:
         """read_into for each (region, view) of one slab, in order; each one's error, or
-        None where it arrived. A transport with a cheaper way to read several (tcp:
-        pipelined requests) overrides it; the answers are the same."""
+        None where it arrived. `arrived(i)` is called, in the calling thread, as soon as
+        region i is in whole (exactly for the regions whose error is None), so the caller
+        can check its bytes while the next ones arrive. A transport with a cheaper way to
+        read several (tcp: pipelined requests) overrides it; the answers are the same."""
         errors: list[PolarKVError | None] = []
-        for region, view in moves:
+        for i, (region, view) in enumerate(moves):
             try:
                 self.read_into(region, view, deadline)
-                errors.append(None)
             except PolarKVError as exc:
                 errors.append(exc)
+                continue
+            errors.append(None)
+            if arrived is not None:
+                arrived(i)
         return errors
 
     @abstractmethod

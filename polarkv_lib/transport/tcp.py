@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from polarkv_lib.errors import (
     AccessDenied,
@@ -40,7 +40,6 @@ PIPELINE = 2
 
 class TcpTransport(Transport):
     name = "tcp"
-    batches_reads = True  # read_many pipelines its requests
 
     def __init__(self, max_idle_per_node: int = 8) -> None:
         self._pool: IdlePool[str, socket.socket] = IdlePool(max_idle_per_node, socket.socket.close)
@@ -107,7 +106,10 @@ class TcpTransport(Transport):
                 sock.close()
 
     def read_many(
-        self, moves: Sequence[tuple[Region, memoryview]], deadline: float
+        self,
+        moves: Sequence[tuple[Region, memoryview]],
+        deadline: float,
+        arrived: Callable[[int], None] | None = None,
     ) -> list[PolarKVError | None]:
         """READs of one slab over one connection, PIPELINE requests ahead: the slab
         finds the next request waiting when it has sent an answer, instead of idling a
@@ -115,7 +117,7 @@ class TcpTransport(Transport):
         regions not yet answered are read one by one (read_into: a fresh connection,
         each its own answer), so a failure costs no other region its read."""
         if len(moves) < 2 or len({r.node.address for r, _ in moves}) != 1:
-            return super().read_many(moves, deadline)
+            return super().read_many(moves, deadline, arrived)
         for region, view in moves:
             if len(view) != region.size:
                 raise ValueError(f"buffer of {len(view)} bytes for a region of {region.size}")
@@ -136,12 +138,14 @@ class TcpTransport(Transport):
                 region, view = moves[len(errors)]
                 _answer(sock, region, Op.READ, view, deadline)
                 errors.append(None)
+                if arrived is not None:
+                    arrived(len(errors) - 1)
         except PolarKVError as exc:
             sock.close()
             if isinstance(exc, AccessDenied | ProtocolError):  # the slab's answer to this one
                 errors.append(exc)
-            rest = moves[len(errors) :]
-            return errors + super().read_many(rest, deadline)
+            later = None if arrived is None else _shifted(arrived, len(errors))
+            return errors + super().read_many(moves[len(errors) :], deadline, later)
         except BaseException:
             sock.close()
             raise
@@ -156,6 +160,11 @@ class TcpTransport(Transport):
 
     def close(self) -> None:
         self._pool.close()
+
+
+def _shifted(arrived: Callable[[int], None], by: int) -> Callable[[int], None]:
+    """`arrived` for the regions from index `by` on, read by a later call."""
+    return lambda i: arrived(by + i)
 
 
 class _Stale(NetworkError):

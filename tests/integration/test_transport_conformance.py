@@ -154,17 +154,22 @@ def test_read_many_reads_each_region_and_isolates_a_refused_one(
     hit = post(url, "/v1/lookup", {"keys": keys})
     reads = [region(hit, e) for e in hit["entries"]]
     outs = [bytearray(len(b)) for b in blobs]
+    whole: list[bytes] = []  # each region's bytes as `arrived` names it: already in
     errors = transport.read_many(
-        [(r, memoryview(o)) for r, o in zip(reads, outs, strict=True)], time.monotonic() + 5
+        [(r, memoryview(o)) for r, o in zip(reads, outs, strict=True)],
+        time.monotonic() + 5,
+        lambda i: whole.append(bytes(outs[i])),
     )
-    assert errors == [None] * len(blobs) and outs == blobs
+    assert errors == [None] * len(blobs) and outs == blobs and whole == blobs
     if not VERIFIES_GRANTS[transport.name]:
         return
     moves = [(r, memoryview(bytearray(len(b)))) for r, b in zip(reads, blobs, strict=True)]
     moves[2] = (writes[2], moves[2][1])  # a grant for another op, mid-batch
-    errors = transport.read_many(moves, time.monotonic() + 5)
+    named: list[int] = []
+    errors = transport.read_many(moves, time.monotonic() + 5, named.append)
     assert isinstance(errors[2], AccessDenied)
     assert [e for i, e in enumerate(errors) if i != 2] == [None] * (len(blobs) - 1)
+    assert named == [0, 1, 3, 4, 5]  # the refused one is not, the later ones by index
     assert [bytes(v) for i, (_, v) in enumerate(moves) if i != 2] == [
         b for i, b in enumerate(blobs) if i != 2
     ]
