@@ -14,7 +14,7 @@ from tests.integration.raw import post
 CT = 4
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])  # shm: hashed beside the next copy
+@pytest.mark.parametrize("transport", ["tcp", "shm"])  # each hashed beside the next read
 def test_a_corrupted_chunk_is_a_miss_and_its_entry_is_dropped(
     cluster: Cluster, transport: str
 ) -> None:
