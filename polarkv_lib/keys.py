@@ -91,6 +91,8 @@ def token_list(tokens: Any) -> list[int]:
     if not isinstance(tokens, Sequence) or isinstance(tokens, str | bytes):
         raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
     out = list(tokens)
+    if set(map(type, out)) <= {int}:  # the common case, checked in one C-level pass
+        return out
     for t in out:
         if not isinstance(t, int) or isinstance(t, bool):
             raise TypeError(f"tokens must be ints, got {type(t).__name__}")

@@ -552,6 +552,10 @@ class PolarKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Wait for the asynchronous loads submitted so far to end (tests)."""
         return self._loader.wait(timeout) if self._loader is not None else True
 
+    def load_buffers_idle(self) -> int:
+        """Bytes of host buffers kept for the next loads (vllm_loads.HostBuffers)."""
+        return self._target.spare.idle_bytes if self._target is not None else 0
+
     def flush_saves(self, timeout: float | None = None) -> bool:
         """Wait for the background saves submitted so far (tests, orderly shutdown)."""
         return self._saver.flush(timeout) if self._saver is not None else True

@@ -18,8 +18,8 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,6 +34,43 @@ log = logging.getLogger("polarkv.integrations.vllm")
 _counting = threading.Lock()  # the loading threads add to one ConnectorStats
 
 
+KEEP_HOST_BYTES = 256 << 20  # idle host buffers of CPU loads kept for the next ones
+
+
+class HostBuffers:
+    """Idle host buffers of CPU loads, kept for the next ones. A fresh buffer's pages
+    fault in on first touch, and on a loading thread beside a running step that cost
+    25-40 ms of system time per 16 MiB (4,096 faults: docs/ENGINES.md). At most `keep`
+    bytes stay idle, the largest buffers first; a larger load allocates its own."""
+
+    def __init__(self, keep: int = KEEP_HOST_BYTES) -> None:
+        self._keep = keep
+        self._idle: list[Any] = []  # flat uint8 tensors, largest first
+        self._lock = threading.Lock()  # the loading threads share it
+
+    def take(self, nbytes: int) -> Any:
+        """A flat uint8 buffer of at least `nbytes`: the smallest idle one that fits."""
+        with self._lock:
+            for i in range(len(self._idle) - 1, -1, -1):  # from the smallest
+                if self._idle[i].numel() >= nbytes:
+                    return self._idle.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buffer: Any) -> None:
+        with self._lock:
+            kept: list[Any] = []
+            total = 0
+            for b in sorted([*self._idle, buffer], key=lambda b: b.numel(), reverse=True):
+                if total + b.numel() <= self._keep:
+                    kept.append(b)
+                    total += b.numel()
+            self._idle = kept
+
+    @property
+    def idle_bytes(self) -> int:
+        return sum(b.numel() for b in self._idle)
+
+
 @dataclass(frozen=True)
 class PageTarget:
     """Where loads land: the registered page views, their device and the chunk shape."""
@@ -43,10 +80,26 @@ class PageTarget:
     chunk_tokens: int
     blocks_per_chunk: int
     chunk_bytes: int
+    spare: HostBuffers = field(default_factory=HostBuffers, compare=False)
 
     def host_buffer(self, chunks: int) -> Any:
         pin = self.device is not None and self.device.type == "cuda"
         return torch.empty((chunks, self.chunk_bytes), dtype=torch.uint8, pin_memory=pin)
+
+    @contextlib.contextmanager
+    def load_buffer(self, chunks: int) -> Iterator[Any]:
+        """A host buffer for one load, kept for the next load once this one ends (on the
+        CPU: the scatter has read it by then; pinned buffers for a GPU come from torch's
+        caching host allocator, which knows when their copies are done)."""
+        if self.device is None or self.device.type != "cpu":
+            yield self.host_buffer(chunks)
+            return
+        nbytes = chunks * self.chunk_bytes
+        flat = self.spare.take(nbytes)
+        try:
+            yield flat[:nbytes].view(chunks, self.chunk_bytes)
+        finally:
+            self.spare.give(flat)
 
 
 def load_into_pages(
@@ -58,23 +111,26 @@ def load_into_pages(
 ) -> list[int]:
     """Load one request's chunks and scatter them; returns the blocks not filled. With
     `cancelled()` true once the chunks have arrived (the request is gone), nothing is
-    written and the host buffer is dropped at once."""
+    written and the host buffer is let go at once."""
     if not target.pages or not op.block_ids:
         return list(op.block_ids)
     started = time.monotonic()
     ct, per_chunk = target.chunk_tokens, target.blocks_per_chunk
     chunks = len(op.tokens) // ct
-    host = target.host_buffer(chunks)
-    data = host.numpy()
-    n_tokens, views = client.load_kv(op.tokens, [memoryview(data[i]) for i in range(chunks)])
-    loaded = n_tokens // ct
-    # A chunk of another size cannot be this format: it ends the usable prefix.
-    loaded = next((i for i, v in enumerate(views[:loaded]) if len(v) != target.chunk_bytes), loaded)
-    if cancelled():
-        return list(op.block_ids)
-    usable = max(0, min(len(op.block_ids), loaded * per_chunk - op.first_block))
-    if usable:
-        _scatter(target, host, chunks, op, usable)
+    with target.load_buffer(chunks) as host:
+        data = host.numpy()
+        n_tokens, views = client.load_kv(op.tokens, [memoryview(data[i]) for i in range(chunks)])
+        loaded = n_tokens // ct
+        # A chunk of another size cannot be this format: it ends the usable prefix.
+        loaded = next(
+            (i for i, v in enumerate(views[:loaded]) if len(v) != target.chunk_bytes), loaded
+        )
+        del views, data  # no view of the buffer outlives the load
+        if cancelled():
+            return list(op.block_ids)
+        usable = max(0, min(len(op.block_ids), loaded * per_chunk - op.first_block))
+        if usable:
+            _scatter(target, host, chunks, op, usable)
     with _counting:
         stats.loaded_chunks += loaded
         stats.loaded_tokens += usable * (ct // per_chunk)
@@ -83,25 +139,47 @@ def load_into_pages(
 
 
 def _scatter(target: PageTarget, host: Any, chunks: int, op: LoadOp, usable: int) -> None:
-    device, per_chunk = target.device, target.blocks_per_chunk
+    device, per_chunk, pages = target.device, target.blocks_per_chunk, target.pages
     side = (
         torch.cuda.Stream(device=device)
         if device.type == "cuda" and threading.current_thread() is not threading.main_thread()
         else None
     )
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        # In the page views' words (vllm_pages._widest); the page bytes divide into them.
-        src = host.view(chunks, len(target.pages), per_chunk, -1).view(target.pages[0].dtype)
+        # In the page views' words (vllm_pages._widest); a block's bytes are its page's in
+        # C order. Straight from the loaded chunks into the pages, with no block-order
+        # copy in between: a fresh 16 MiB buffer on a loading thread cost 4,096 page
+        # faults, 25-40 ms of system time beside a running step (docs/ENGINES.md).
+        src = host.view(pages[0].dtype).view(chunks, len(pages), per_chunk, *pages[0].shape[1:])
         if device.type != "cpu":
             src = src.to(device, non_blocking=True)
         index = torch.tensor(op.block_ids[:usable], dtype=torch.long, device=device)
-        lo, hi = op.first_block, op.first_block + usable
-        for layer, pages in enumerate(target.pages):
-            rows = src[:, layer].reshape(chunks * per_chunk, -1)[lo:hi]
-            pages.index_copy_(0, index, rows.reshape(usable, *pages.shape[1:]))
+        for j, c, b, n in _spans(op.first_block, usable, per_chunk):
+            ids = index[j : j + n]
+            for layer, page in enumerate(pages):
+                if b == 0 and n % per_chunk == 0:  # whole chunks: a 2-D index, as they lie
+                    page.index_put_((ids.view(-1, per_chunk),), src[c : c + n // per_chunk, layer])
+                else:
+                    page.index_copy_(0, ids, src[c, layer, b : b + n])
     if side is not None:
         # Off the step's stream: done only when these copies are, before it is reported.
         side.synchronize()
+
+
+def _spans(first: int, usable: int, per_chunk: int) -> list[tuple[int, int, int, int]]:
+    """The request's blocks 0..usable-1, which are blocks first.. of the loaded chunks, as
+    (request block, chunk, block in it, count): a part of one chunk each, except that
+    whole chunks in a row are one span (block 0, count a multiple of per_chunk)."""
+    spans: list[tuple[int, int, int, int]] = []
+    j = 0
+    while j < usable:
+        c, b = divmod(first + j, per_chunk)
+        n = min(per_chunk - b, usable - j)
+        if b == 0 and n == per_chunk:
+            n = (usable - j) // per_chunk * per_chunk
+        spans.append((j, c, b, n))
+        j += n
+    return spans
 
 
 class Loader:

@@ -68,6 +68,7 @@ from polarkv_lib.integrations.vllm import (
     PolarKVConnectorMetadata,
     SaveOp,
 )
+from polarkv_lib.integrations.vllm_loads import HostBuffers
 from polarkv_lib.integrations.vllm_setup import PolarKVStats, chunk_tokens_for
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
@@ -926,6 +927,57 @@ def test_worker_round_trips_kv_stacked_caches(
     finally:
         a.shutdown()
         b.shutdown()
+
+
+@pytest.mark.parametrize(
+    "first_block",
+    [0, 1, PER_CHUNK - 1, PER_CHUNK, PER_CHUNK + 3],
+    ids=lambda f: f"first-block-{f}",
+)
+def test_loads_scatter_every_split_of_chunks_into_blocks(
+    model_config: ModelConfig, polarkv: PolarKV, first_block: int
+) -> None:
+    """A load writes request blocks first_block.. : whole chunks go as one span, a part of
+    a chunk as another (vllm_loads._spans); every split lands byte-exact, nothing else is
+    written, and the host buffer is kept for the next load."""
+    config = vllm_config(model_config, polarkv.manager_url)
+    kcc = kv_cache_config(config)
+    layout = KVCacheLayout[config.cache_config.kv_cache_layout]
+    source = allocate_kv_cache(kcc, torch.device("cpu"), layout, [BLOCK])
+    target = allocate_kv_cache(kcc, torch.device("cpu"), layout, [BLOCK])
+    fill_random(source, seed=300 + first_block)
+    tokens = prompt(300 + first_block, 2 * CHUNK)
+    src_blocks = list(range(60, 60 + 2 * PER_CHUNK))
+    dst_blocks = [2 * i + 1 for i in range(2 * PER_CHUNK)]  # no two in a row
+    a, b = worker(config, kcc, source), worker(config, kcc, target)
+    try:
+        run_step(a, PolarKVConnectorMetadata(saves=[SaveOp("r", tokens, src_blocks, 0)]))
+        assert a.flush_saves(10) and a.stats.saved_chunks == 2
+        written = dst_blocks[first_block:]
+        load = LoadOp("r", tokens, written, first_block=first_block)
+        assert not run_step(b, PolarKVConnectorMetadata(loads=[load]))
+        assert same_bytes(pages(target, written), pages(source, src_blocks[first_block:]))
+        assert not pages(target, [i for i in range(NUM_BLOCKS) if i not in written]).any()
+        assert b.load_buffers_idle() == 2 * b.chunk_bytes  # kept for the next load
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_load_buffers_are_kept_for_the_next_load_within_their_bound() -> None:
+    spare = HostBuffers(keep=3 << 20)
+    one = spare.take(1 << 20)
+    spare.give(one)
+    assert spare.take(1000) is one  # the smallest idle buffer that fits comes back
+    two = spare.take(2 << 20)  # nothing idle fits: a new one
+    assert two is not one and two.numel() == 2 << 20
+    spare.give(one)
+    spare.give(two)
+    assert spare.idle_bytes == 3 << 20
+    spare.give(spare.take(4 << 20))  # beyond the bound: let go, the others stay
+    assert spare.idle_bytes == 3 << 20
+    assert spare.take(1 << 20) is one and spare.take(2 << 20) is two
+    assert spare.idle_bytes == 0
 
 
 def test_unknown_cache_shape_is_refused_at_registration(

@@ -129,6 +129,20 @@ def test_non_sequence_tokens_raise_type_error(bad: object) -> None:
         chunk_keys(bad, NS, 1)
 
 
+@pytest.mark.parametrize("last", [True, 7.0, "7", None])
+def test_one_bad_token_at_the_end_of_a_long_prompt_is_found(last: object) -> None:
+    # the check of a whole prompt in one pass must not miss a single odd token
+    with pytest.raises(TypeError):
+        chunk_keys([*range(4096), last], NS, 4097)
+
+
+def test_int_subclasses_are_tokens_like_ints() -> None:
+    class Token(int):
+        pass
+
+    assert chunk_keys([Token(t) for t in tokens(8)], NS, 4) == chunk_keys(tokens(8), NS, 4)
+
+
 def test_short_non_int_tokens_still_rejected() -> None:
     # type checks do not depend on the prompt being long enough to key
     with pytest.raises(TypeError):
