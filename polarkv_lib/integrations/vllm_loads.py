@@ -40,7 +40,7 @@ KEEP_HOST_BYTES = 256 << 20  # idle host buffers of CPU loads kept for the next 
 class HostBuffers:
     """Idle host buffers of CPU loads, kept for the next ones. A fresh buffer's pages
     fault in on first touch, and on a loading thread beside a running step that cost
-    25-40 ms of system time per 16 MiB (4,096 faults: docs/ENGINES.md). At most `keep`
+    24-38 ms of system time per 16 MiB (4,096 faults: docs/ENGINES.md). At most `keep`
     bytes stay idle, the largest buffers first; a larger load allocates its own."""
 
     def __init__(self, keep: int = KEEP_HOST_BYTES) -> None:
@@ -149,7 +149,7 @@ def _scatter(target: PageTarget, host: Any, chunks: int, op: LoadOp, usable: int
         # In the page views' words (vllm_pages._widest); a block's bytes are its page's in
         # C order. Straight from the loaded chunks into the pages, with no block-order
         # copy in between: a fresh 16 MiB buffer on a loading thread cost 4,096 page
-        # faults, 25-40 ms of system time beside a running step (docs/ENGINES.md).
+        # faults, 24-38 ms of system time beside a running step (docs/ENGINES.md).
         src = host.view(pages[0].dtype).view(chunks, len(pages), per_chunk, *pages[0].shape[1:])
         if device.type != "cpu":
             src = src.to(device, non_blocking=True)
