@@ -378,6 +378,17 @@ _ids: list[str] = []
 _drawing = threading.Lock()
 
 
+def _forked() -> None:
+    """A forked child draws its own ids: those left in the pool are the parent's to hand
+    out. The lock is new too (another thread may have held it at the fork)."""
+    global _drawing
+    _ids.clear()
+    _drawing = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def new_id() -> str:
     """A fresh lease id from the OS's CSPRNG. Drawn 512 at a time: one `getrandom` per
     request (`secrets.token_hex`) also let go of the GIL each time, and the loop then

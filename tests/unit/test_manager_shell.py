@@ -8,6 +8,7 @@ whether) a reload or an offload lands.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 from collections.abc import AsyncIterator
@@ -162,3 +163,18 @@ def test_lease_ids_stay_unique_and_well_formed_across_draws() -> None:
     ids = [i for out in got for i in out]
     assert len(set(ids)) == len(ids) == 6000
     assert all(re.fullmatch(r"[0-9a-f]{16}", i) for i in ids)  # 8 bytes: the wire's lease form
+
+
+def test_a_forked_process_never_hands_out_its_parents_next_lease_ids() -> None:
+    new_id()  # the pool holds ids now
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its first ids, to the parent
+        os.write(write, "".join(new_id() for _ in range(4)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 64).decode()
+    os.close(read)
+    mine = "".join(new_id() for _ in range(4))
+    assert len(theirs) == 64 and theirs != mine
