@@ -111,6 +111,9 @@ def test_ctrl_c_during_up_removes_everything(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal delivers it: a suite started in the background (a shell's
+        # `&` without job control) would have the child ignore SIGINT and finish `up`.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     handle = Cluster(ClusterSpec(name="pkvti"), tmp_path)
     deadline = time.monotonic() + 30
