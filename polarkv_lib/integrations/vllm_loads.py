@@ -154,10 +154,10 @@ def _scatter(target: PageTarget, host: Any, chunks: int, op: LoadOp, usable: int
         if device.type != "cpu":
             src = src.to(device, non_blocking=True)
         index = torch.tensor(op.block_ids[:usable], dtype=torch.long, device=device)
-        for j, c, b, n in _spans(op.first_block, usable, per_chunk):
+        for j, c, b, n, whole in _spans(op.first_block, usable, per_chunk):
             ids = index[j : j + n]
             for layer, page in enumerate(pages):
-                if b == 0 and n % per_chunk == 0:  # whole chunks: a 2-D index, as they lie
+                if whole:  # a 2-D index: the chunks' blocks as they lie
                     page.index_put_((ids.view(-1, per_chunk),), src[c : c + n // per_chunk, layer])
                 else:
                     page.index_copy_(0, ids, src[c, layer, b : b + n])
@@ -166,18 +166,19 @@ def _scatter(target: PageTarget, host: Any, chunks: int, op: LoadOp, usable: int
         side.synchronize()
 
 
-def _spans(first: int, usable: int, per_chunk: int) -> list[tuple[int, int, int, int]]:
+def _spans(first: int, usable: int, per_chunk: int) -> list[tuple[int, int, int, int, bool]]:
     """The request's blocks 0..usable-1, which are blocks first.. of the loaded chunks, as
-    (request block, chunk, block in it, count): a part of one chunk each, except that
-    whole chunks in a row are one span (block 0, count a multiple of per_chunk)."""
-    spans: list[tuple[int, int, int, int]] = []
+    (request block, chunk, block in it, count, whole): a part of one chunk each, except
+    that whole chunks in a row are one span (whole: block 0, a multiple of per_chunk)."""
+    spans: list[tuple[int, int, int, int, bool]] = []
     j = 0
     while j < usable:
         c, b = divmod(first + j, per_chunk)
         n = min(per_chunk - b, usable - j)
-        if b == 0 and n == per_chunk:
+        whole = b == 0 and n == per_chunk
+        if whole:
             n = (usable - j) // per_chunk * per_chunk
-        spans.append((j, c, b, n))
+        spans.append((j, c, b, n, whole))
         j += n
     return spans
 
