@@ -1,7 +1,8 @@
 """The client's data plane: which transport moves a region, at most `connections`
 transfers at once in a thread pool, a circuit breaker per slab, and each chunk's
-checksum: taken in the thread that moved it, or, for a run of reads from one slab, on a
-hashing thread while the next ones arrive (client/async_client.py composes it).
+checksum: the one a tcp read took as its bytes arrived, or taken in the thread that
+moved it, or, for a run of reads from one slab, on a hashing thread while the next ones
+arrive (client/async_client.py composes it).
 """
 
 from __future__ import annotations
@@ -14,19 +15,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from polarkv_lib.client.breaker import CircuitBreaker
 from polarkv_lib.errors import NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.transport import open_transports, pick
-from polarkv_lib.transport.base import NodeTarget, Region
+from polarkv_lib.transport.base import BufferLike, NodeTarget, Region, checksum
 
 log = logging.getLogger("polarkv.client")
-BufferLike = bytes | bytearray | memoryview
-
-
-def checksum(data: BufferLike) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
+__all__ = ["BufferLike", "ClientStats", "Transfers", "checksum"]
 
 
 def as_view(data: object, what: str) -> memoryview:
@@ -158,9 +153,13 @@ class Transfers:
         view: memoryview,
         error: PolarKVError | None,
         failures: list[int],
+        digest: str | None = None,
     ) -> str | None:
-        """A transfer's outcome: its checksum, or None (`_moved`)."""
-        return checksum(view) if self._moved(breaker, region, error, failures) else None
+        """A transfer's outcome: its checksum (`digest` where the transport took it), or
+        None (`_moved`)."""
+        if not self._moved(breaker, region, error, failures):
+            return None
+        return checksum(view) if digest is None else digest
 
     @staticmethod
     def _moved(
@@ -180,9 +179,10 @@ class Transfers:
     def _read_run(
         self, run: list[tuple[Region, memoryview]], deadline: float, failures: list[int]
     ) -> list[str | None]:
-        """Reads of one slab, in a pool thread (one read_many: tcp pipelines them). Each
-        chunk of a run of several is hashed on the hashing pool as soon as it is in,
-        while the next ones arrive; a lone chunk here, at once."""
+        """Reads of one slab, in a pool thread (one read_many: tcp pipelines them). A
+        chunk the transport did not hash as it arrived is, in a run of several, hashed
+        on the hashing pool as soon as it is in, while the next ones arrive; a lone
+        chunk here, at once."""
         transport = pick(self._transports, run[0][0].node)
         if transport is None:
             return [None] * len(run)
@@ -191,18 +191,21 @@ class Transfers:
             breaker.check()
         except NetworkError as exc:
             return [self._settled(breaker, r, v, exc, failures) for r, v in run]
-        if len(run) == 1:
-            (error,) = transport.read_many(run, deadline)
-            return [self._settled(breaker, *run[0], error, failures)]
+        taken: dict[int, str] = {}
         hashes: dict[int, Future[str]] = {}
 
-        def arrived(i: int) -> None:
-            hashes[i] = self._hasher.submit(checksum, run[i][1])
+        def arrived(i: int, digest: str | None) -> None:
+            if digest is not None:
+                taken[i] = digest
+            elif len(run) > 1:
+                hashes[i] = self._hasher.submit(checksum, run[i][1])
 
         errors = transport.read_many(run, deadline, arrived)
         return [
-            hashes[i].result() if self._moved(breaker, r, e, failures) else None
-            for i, ((r, _), e) in enumerate(zip(run, errors, strict=True))
+            self._settled(
+                breaker, r, v, e, failures, hashes[i].result() if i in hashes else taken.get(i)
+            )
+            for i, ((r, v), e) in enumerate(zip(run, errors, strict=True))
         ]
 
     def _one(
@@ -214,9 +217,13 @@ class Transfers:
             return None
         breaker = self._breaker(region.node.address)
         error: PolarKVError | None = None
+        digest = None
         try:
             breaker.check()
-            (transport.write_from if write else transport.read_into)(region, view, deadline)
+            if write:
+                transport.write_from(region, view, deadline)
+            else:
+                digest = transport.read_into(region, view, deadline)
         except PolarKVError as exc:
             error = exc
-        return self._settled(breaker, region, view, error, failures)
+        return self._settled(breaker, region, view, error, failures, digest)

@@ -108,10 +108,10 @@ class AutoRdma(Transport):
         inner = self._open()
         return inner is not None and inner.usable(node)
 
-    def read_into(self, region: Region, view: memoryview, deadline: float) -> None:
+    def read_into(self, region: Region, view: memoryview, deadline: float) -> str | None:
         inner = self._open()
         assert inner is not None, "usable() said no"
-        inner.read_into(region, view, deadline)
+        return inner.read_into(region, view, deadline)
 
     def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
         inner = self._open()

@@ -13,7 +13,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from polarkv_lib.errors import PolarKVError
+
+BufferLike = bytes | bytearray | memoryview
+
+
+def checksum(data: BufferLike) -> str:
+    """A chunk's checksum as the manager records it: xxh3-64, in hex."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def checksum_stream() -> xxhash.xxh3_64:
+    """The same checksum taken piece by piece (`update`, then `hexdigest`)."""
+    return xxhash.xxh3_64()
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +50,10 @@ class Region:
     grant: bytes
 
 
+# read_many's callback: region i is in, with its checksum if the transport took it.
+Arrived = Callable[[int, str | None], None]
+
+
 class Transport(ABC):
     name: str
 
@@ -44,8 +62,10 @@ class Transport(ABC):
         """Whether this transport can reach `node` from here."""
 
     @abstractmethod
-    def read_into(self, region: Region, view: memoryview, deadline: float) -> None:
-        """Copy the region into `view` (len(view) == region.size)."""
+    def read_into(self, region: Region, view: memoryview, deadline: float) -> str | None:
+        """Copy the region into `view` (len(view) == region.size). Returns the bytes'
+        checksum where the transport took it as they arrived (tcp: piece by piece, while
+        in the CPU's cache), else None: the caller takes it."""
 
     @abstractmethod
     def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
@@ -55,23 +75,24 @@ class Transport(ABC):
         self,
         moves: Sequence[tuple[Region, memoryview]],
         deadline: float,
-        arrived: Callable[[int], None] | None = None,
+        arrived: Arrived | None = None,
     ) -> list[PolarKVError | None]:
         """read_into for each (region, view) of one slab, in order; each one's error, or
-        None where it arrived. `arrived(i)` is called, in the calling thread, as soon as
-        region i is in whole (exactly for the regions whose error is None), so the caller
-        can check its bytes while the next ones arrive. A transport with a cheaper way to
-        read several (tcp: pipelined requests) overrides it; the answers are the same."""
+        None where it arrived. `arrived(i, checksum)` is called, in the calling thread, as
+        soon as region i is in whole (exactly for the regions whose error is None), with
+        what read_into returned, so the caller can check its bytes while the next ones
+        arrive. A transport with a cheaper way to read several (tcp: pipelined requests)
+        overrides it; the answers are the same."""
         errors: list[PolarKVError | None] = []
         for i, (region, view) in enumerate(moves):
             try:
-                self.read_into(region, view, deadline)
+                digest = self.read_into(region, view, deadline)
             except PolarKVError as exc:
                 errors.append(exc)
                 continue
             errors.append(None)
             if arrived is not None:
-                arrived(i)
+                arrived(i, digest)
         return errors
 
     @abstractmethod

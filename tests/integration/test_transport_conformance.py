@@ -17,6 +17,7 @@ from polarkv_lib.client import checksum
 from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.transport import create, rdma_unavailable
 from polarkv_lib.transport.base import Transport
+from polarkv_lib.transport.tcp import TcpTransport
 from tests.conftest import Cluster, PolarKV
 from tests.integration.raw import key, post, region
 
@@ -25,6 +26,8 @@ NAMES = ("rdma", "shm", "tcp")
 # rdma; shm is guarded by file permissions instead), and whether its signature is: only
 # the slab holds the key, and an rdma slab without memory windows is not asked.
 VERIFIES_GRANTS = {"tcp": True, "shm": False, "rdma": True}
+# Whether a read returns its bytes' checksum, taken as they arrived (else the client takes it).
+HASHES_READS = {"tcp": True, "shm": False, "rdma": False}
 CHECKS_SIGNATURE = {"tcp": True, "shm": False, "rdma": False}
 
 
@@ -66,8 +69,35 @@ def test_write_then_read_back(node: PolarKV, transport: Transport, size: int) ->
     )
     hit = post(node.manager_url, "/v1/lookup", {"keys": [key(size)]})
     out = bytearray(size)
-    transport.read_into(region(hit, hit["entries"][0]), memoryview(out), time.monotonic() + 5)
+    got = transport.read_into(region(hit, hit["entries"][0]), memoryview(out), time.monotonic() + 5)
     assert out == data
+    assert got == (checksum(data) if HASHES_READS[transport.name] else None)
+
+
+def test_a_tcp_read_beside_others_leaves_the_checksum_to_the_client(cluster: Cluster) -> None:
+    """With more reads in flight than the cores keep up with, a tcp read is received
+    whole and says no checksum (the client takes it); its bytes are the same."""
+    node = cluster.embedded()
+    data = os.urandom((1 << 20) + 17)
+    reply, w = _allocate(node.manager_url, key(77), len(data))
+    transport = TcpTransport()
+    try:
+        transport.write_from(w, memoryview(data), time.monotonic() + 5)
+        post(
+            node.manager_url,
+            "/v1/commit",
+            {"lease": reply["lease"], "items": [{"key": key(77), "checksum": checksum(data)}]},
+        )
+        hit = post(node.manager_url, "/v1/lookup", {"keys": [key(77)]})
+        r = region(hit, hit["entries"][0])
+        transport._reads = max(os.cpu_count() or 1, 2)  # others in flight, as far as it knows
+        out = bytearray(len(data))
+        assert transport.read_into(r, memoryview(out), time.monotonic() + 5) is None
+        assert out == data
+        transport._reads = 0  # alone again: hashed as it arrives
+        assert transport.read_into(r, memoryview(out), time.monotonic() + 5) == checksum(data)
+    finally:
+        transport.close()
 
 
 def test_many_transfers_reuse_the_transport(node: PolarKV, transport: Transport) -> None:
@@ -146,7 +176,9 @@ def test_read_many_reads_each_region_and_isolates_a_refused_one(
 ) -> None:
     """read_many (tcp: requests pipelined on one connection) gives every region its own
     answer: the bytes where granted, and where a grant is refused (a WRITE grant used to
-    read) that region's error alone; the regions after it are still read."""
+    read) that region's error alone; the regions after it are still read. A checksum
+    the transport hands over with a region is that of the bytes it put there (tcp
+    hashes each region in pieces as they arrive: these regions span two)."""
     url = node.manager_url
     blobs = [os.urandom((256 << 10) + i) for i in range(6)]
     keys = [key(3000 + i) for i in range(len(blobs))]
@@ -155,18 +187,28 @@ def test_read_many_reads_each_region_and_isolates_a_refused_one(
     reads = [region(hit, e) for e in hit["entries"]]
     outs = [bytearray(len(b)) for b in blobs]
     whole: list[bytes] = []  # each region's bytes as `arrived` names it: already in
+    sums: list[str | None] = []
+
+    def arrived(i: int, digest: str | None) -> None:
+        whole.append(bytes(outs[i]))
+        sums.append(digest)
+
     errors = transport.read_many(
         [(r, memoryview(o)) for r, o in zip(reads, outs, strict=True)],
         time.monotonic() + 5,
-        lambda i: whole.append(bytes(outs[i])),
+        arrived,
     )
     assert errors == [None] * len(blobs) and outs == blobs and whole == blobs
+    if HASHES_READS[transport.name]:
+        assert sums == [checksum(b) for b in blobs]
+    else:
+        assert sums == [None] * len(blobs)
     if not VERIFIES_GRANTS[transport.name]:
         return
     moves = [(r, memoryview(bytearray(len(b)))) for r, b in zip(reads, blobs, strict=True)]
     moves[2] = (writes[2], moves[2][1])  # a grant for another op, mid-batch
     named: list[int] = []
-    errors = transport.read_many(moves, time.monotonic() + 5, named.append)
+    errors = transport.read_many(moves, time.monotonic() + 5, lambda i, _: named.append(i))
     assert isinstance(errors[2], AccessDenied)
     assert [e for i, e in enumerate(errors) if i != 2] == [None] * (len(blobs) - 1)
     assert named == [0, 1, 3, 4, 5]  # the refused one is not, the later ones by index

@@ -1,6 +1,7 @@
 """The socket loop's send bound and closing (polarkv_lib/transport/sockio.py), on real
 loopback sockets: a reader that stops reading is told apart from a slow one, and what
-it left unread is dropped when the connection closes."""
+it left unread is dropped when the connection closes; a hashed receive hashes exactly
+the bytes it received, however they come."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from polarkv_lib.errors import OperationTimeout
-from polarkv_lib.transport.sockio import close, send_all, unsent
+from polarkv_lib.errors import NetworkError, OperationTimeout
+from polarkv_lib.transport.base import checksum, checksum_stream
+from polarkv_lib.transport.sockio import HASH_SLICE, close, recv_exact, send_all, unsent
 
 PAYLOAD = bytes(32 << 20)  # far more than the socket buffers of both ends hold
 
@@ -77,3 +79,52 @@ def test_closing_after_a_refusal_lets_the_refusal_out() -> None:
         reader.settimeout(5)
         assert reader.recv(100) == b"a refusal the reader has not read yet"
         assert reader.recv(100) == b""  # an orderly end
+
+
+@pytest.mark.parametrize(
+    "size", [1, HASH_SLICE - 1, HASH_SLICE, HASH_SLICE + 1, 3 * HASH_SLICE + 4099]
+)
+def test_a_hashed_receive_hashes_what_it_received_in_dribs_and_drabs(size: int) -> None:
+    """Sent in pieces that straddle the hashed ones, with pauses: every byte is in the
+    buffer and the checksum is the whole object's, as one hash of it after would be."""
+    data = bytes(range(251)) * (size // 251 + 1)
+    data = data[:size]
+    with pair() as (sender, reader):
+
+        def dribble() -> None:
+            for at in range(0, size, 65_521):  # a prime: never a multiple of a slice
+                sender.sendall(data[at : at + 65_521])
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=dribble)
+        thread.start()
+        out = bytearray(size)
+        hasher = checksum_stream()
+        recv_exact(reader, memoryview(out), time.monotonic() + 10, hasher)
+        thread.join(10)
+    assert out == data
+    assert hasher.hexdigest() == checksum(data)
+
+
+def test_a_hashed_receive_cut_short_says_so() -> None:
+    """The peer closes mid-object, or sends too little before the deadline: an error,
+    never a checksum of part of it passing for the whole."""
+    with pair() as (sender, reader):
+        sender.sendall(bytes(HASH_SLICE + 10))
+        sender.close()
+        with pytest.raises(NetworkError, match="mid-frame"):
+            recv_exact(
+                reader,
+                memoryview(bytearray(2 * HASH_SLICE)),
+                time.monotonic() + 5,
+                checksum_stream(),
+            )
+    with pair() as (sender, reader):
+        sender.sendall(bytes(HASH_SLICE + 10))
+        with pytest.raises(OperationTimeout):
+            recv_exact(
+                reader,
+                memoryview(bytearray(2 * HASH_SLICE)),
+                time.monotonic() + 0.3,
+                checksum_stream(),
+            )
