@@ -10,7 +10,8 @@ socket timeouts: those put the socket in non-blocking mode and cost a poll() plu
 wake-up into Python for every piece of a transfer the kernel hands over, which on
 loopback is a few hundred per 16 MiB object. Blocking, a whole payload is one
 `recv_into(..., MSG_WAITALL)` or one `sendmsg`: the kernel copies as the bytes arrive and
-the GIL is released for the whole object.
+the GIL is released for the whole object (a payload hashed as it lands: one receive per
+256 KiB piece).
 
 A call that runs out of time raises OperationTimeout; a peer that closes mid-buffer
 raises NetworkError; other socket errors stay OSError for the caller to map.

@@ -17,7 +17,7 @@ byte of the answer arrived is tried once more on a fresh connection. READ and WR
 a granted region are idempotent, so the retry is safe.
 
 Partial sends and receives are bounded by the deadline in `sockio` (kernel timeouts on
-blocking sockets, one syscall per object).
+blocking sockets, one syscall per object, or per piece of one hashed as it lands).
 """
 
 from __future__ import annotations
