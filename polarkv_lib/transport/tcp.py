@@ -245,7 +245,7 @@ def _answer(
     op: Op,
     view: memoryview,
     deadline: float,
-    hashed: bool = False,
+    hashed: bool,
 ) -> str | None:
     """Receive the slab's answer to one request: for a READ, its bytes into `view`, and
     (`hashed`) their checksum, taken as they arrive."""
