@@ -1,8 +1,9 @@
 """The client's data plane: which transport moves a region, at most `connections`
 transfers at once in a thread pool, a circuit breaker per slab, and each chunk's
-checksum: the one a tcp read took as its bytes arrived, or taken in the thread that
-moved it, or, for a run of reads from one slab, on a hashing thread while the next ones
-arrive (client/async_client.py composes it).
+checksum: the one the transport took as the bytes arrived (tcp in pieces as they land,
+shm piece by piece behind its copy), or taken in the thread that moved it, or, for a run
+of reads from one slab, on a hashing thread while the next ones arrive
+(client/async_client.py composes it).
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ class Transfers:
         self._breaker_interval = breaker_interval
         self._slab_breakers: dict[str, CircuitBreaker] = {}
         self._pool = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="polarkv-xfer")
-        # Copy then hash on one thread reaches at most 0.66 of memcpy (xxh3 35 GiB/s,
-        # memmove 17.8 GiB/s, both without the GIL): a run's chunk i is hashed here
-        # while chunk i+1 is copied or received. Started on first use.
+        # A run's chunk i that its transport did not hash (a tcp read received whole
+        # beside others, rdma) is hashed here while chunk i+1 arrives: hashing after the
+        # transfer on the same thread would add the hash's time to every chunk's.
+        # Started on first use.
         self._hasher = ThreadPoolExecutor(
             max_workers=connections, thread_name_prefix="polarkv-hash"
         )
@@ -107,8 +109,9 @@ class Transfers:
         At most `connections` pool tasks each move every n-th region in turn, rather than
         one task per region: a dispatch to the pool costs tens of microseconds, a tenth of
         a 1 MiB shm copy. A task's consecutive reads from one slab go as one read_many
-        (pipelined on tcp), its chunks hashed on the hashing pool while the next ones
-        arrive; any other chunk is hashed in its task right after its transfer."""
+        (pipelined on tcp), each chunk its transport did not hash hashed on the hashing
+        pool while the next ones arrive; any other chunk is hashed in its task right after
+        its transfer, if its transport did not."""
 
         def move(part: range) -> list[str | None]:
             with self._queue_lock:
@@ -221,7 +224,7 @@ class Transfers:
         try:
             breaker.check()
             if write:
-                transport.write_from(region, view, deadline)
+                digest = transport.write_from(region, view, deadline)
             else:
                 digest = transport.read_into(region, view, deadline)
         except PolarKVError as exc:

@@ -113,10 +113,10 @@ class AutoRdma(Transport):
         assert inner is not None, "usable() said no"
         return inner.read_into(region, view, deadline)
 
-    def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
+    def write_from(self, region: Region, view: memoryview, deadline: float) -> str | None:
         inner = self._open()
         assert inner is not None, "usable() said no"
-        inner.write_from(region, view, deadline)
+        return inner.write_from(region, view, deadline)
 
     def close(self) -> None:
         if self._inner is not None:

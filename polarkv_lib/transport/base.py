@@ -68,8 +68,11 @@ class Transport(ABC):
         in the CPU's cache), else None: the caller takes it."""
 
     @abstractmethod
-    def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
-        """Copy `view` (len(view) == region.size) into the region."""
+    def write_from(self, region: Region, view: memoryview, deadline: float) -> str | None:
+        """Copy `view` (len(view) == region.size) into the region. Returns the checksum
+        of the bytes written where the transport took it as they went (shm: of the
+        region's copy, piece by piece, while in the CPU's cache), else None: the caller
+        takes it."""
 
     def read_many(
         self,

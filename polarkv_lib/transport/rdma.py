@@ -295,7 +295,7 @@ class RdmaTransport(Transport):
         self._transfer(region, Op.READ, view, deadline)
 
     def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
-        self._transfer(region, Op.WRITE, view, deadline)
+        self._transfer(region, Op.WRITE, view, deadline)  # the client hashes the source
 
     def close(self) -> None:
         self._pool.close()

@@ -6,11 +6,17 @@ is for clients the host already trusts; others use tcp. A mapping is keyed by th
 buffer path, which carries the slab's incarnation, so it can never serve a newer
 incarnation's memory under an old name.
 
-Two things make the copy run at memcpy speed:
+What makes the copy run near memcpy speed:
 - It is `ctypes.memmove` between raw addresses, which releases the GIL: concurrent
   transfers copy on all cores, and the client's event loop keeps running meanwhile. A
   memoryview slice of the region stays exported for the whole copy, so the mapping
   cannot be closed (mmap.close raises BufferError) while an address into it is in use.
+- A read or a write copies in COPY_BLOCK pieces and hashes each piece of the copy right
+  after it is made, while it is still in the core's cache (xxh3 releases the GIL too),
+  and returns the checksum: each byte crosses the memory bus once each way. Hashing a
+  whole chunk after its copy reads it from memory again, on whichever thread: a third
+  more memory traffic, which costs where one copy already fills the memory bus
+  (docs/BENCHMARKS.md).
 - A fresh mapping has no page-table entries; touching it page by page costs a fault per
   4 KiB, several times the copy itself. The first transfer into each 2 MiB block of the
   mapping populates the block's entries in one madvise(MADV_POPULATE_WRITE) call
@@ -30,7 +36,7 @@ from collections.abc import Callable
 
 from polarkv_lib.errors import NetworkError, OperationTimeout
 from polarkv_lib.host import host_id
-from polarkv_lib.transport.base import NodeTarget, Region, Transport
+from polarkv_lib.transport.base import NodeTarget, Region, Transport, checksum_stream
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h; absent from Python's mmap module before 3.12
 _BLOCK = 2 * 1024**2  # populate granularity: one huge page's worth of entries
@@ -49,6 +55,29 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
 
 
 _madvise = _load_madvise()
+
+
+# A transfer's copy-then-hash piece: within a core's L2 on current x86 servers (1-2
+# MiB), and large enough that the calls per piece are small beside its copy (128-768
+# KiB pieces measured slower, 2 MiB no better: docs/BENCHMARKS.md).
+COPY_BLOCK = 1024 * 1024
+
+
+def _copy_hashed(target: memoryview, source: memoryview) -> str:
+    """Copy `source` into `target` (both non-empty, of one length, `target` writable)
+    piece by piece, hashing each piece of `target` as soon as it is in; the checksum of
+    the whole."""
+    hasher = checksum_stream()
+    to = _address(target)
+    at = None if source.readonly else _address(source)
+    for start in range(0, len(target), COPY_BLOCK):
+        end = min(start + COPY_BLOCK, len(target))
+        if at is None:  # e.g. bytes: no address for memmove; copied with the GIL
+            target[start:end] = source[start:end]
+        else:
+            ctypes.memmove(to + start, at + start, end - start)
+        hasher.update(target[start:end])
+    return hasher.hexdigest()
 
 
 def _address(view: memoryview) -> int:
@@ -141,21 +170,17 @@ class ShmTransport(Transport):
             mapped.populate(region.offset, region.size)
         return view
 
-    def read_into(self, region: Region, view: memoryview, deadline: float) -> None:
-        # No checksum here: memmove releases the GIL for the whole copy, and the client
-        # hashes each chunk on another thread while the next one is copied.
+    def read_into(self, region: Region, view: memoryview, deadline: float) -> str | None:
         with self._region(region, len(view), deadline) as source:
             if view.readonly or not view:  # read-only: the client refuses it before any I/O
                 view[:] = source
-            else:
-                ctypes.memmove(_address(view), _address(source), len(view))
+                return None  # nothing moved to hash: the caller takes it
+            return _copy_hashed(view, source)
 
-    def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
+    def write_from(self, region: Region, view: memoryview, deadline: float) -> str | None:
+        # The checksum is of the region's bytes as copied: what a reader will find.
         with self._region(region, len(view), deadline) as target:
-            if view.readonly or not view:  # e.g. bytes: no address for memmove; copy with the GIL
-                target[:] = view
-            else:
-                ctypes.memmove(_address(target), _address(view), len(view))
+            return _copy_hashed(target, view) if view else None
 
     def close(self) -> None:
         for path in list(self._maps):

@@ -205,7 +205,7 @@ class TcpTransport(Transport):
             return self._exchange(region, Op.READ, view, deadline, hashed)
 
     def write_from(self, region: Region, view: memoryview, deadline: float) -> None:
-        self._exchange(region, Op.WRITE, view, deadline)
+        self._exchange(region, Op.WRITE, view, deadline)  # the client hashes the source
 
     def close(self) -> None:
         self._pool.close()

@@ -27,7 +27,9 @@ NAMES = ("rdma", "shm", "tcp")
 # the slab holds the key, and an rdma slab without memory windows is not asked.
 VERIFIES_GRANTS = {"tcp": True, "shm": False, "rdma": True}
 # Whether a read returns its bytes' checksum, taken as they arrived (else the client takes it).
-HASHES_READS = {"tcp": True, "shm": False, "rdma": False}
+HASHES_READS = {"tcp": True, "shm": True, "rdma": False}
+# Whether a write returns the checksum of the bytes it put in the region.
+HASHES_WRITES = {"tcp": False, "shm": True, "rdma": False}
 CHECKS_SIGNATURE = {"tcp": True, "shm": False, "rdma": False}
 
 
@@ -57,17 +59,22 @@ def test_usable_for_its_own_node(node: PolarKV, transport: Transport) -> None:
     assert transport.usable(r.node)
 
 
-@pytest.mark.parametrize("size", [1, 4095, 4096, 1 << 20, (3 << 20) + 17])
-def test_write_then_read_back(node: PolarKV, transport: Transport, size: int) -> None:
+@pytest.mark.parametrize("source", [bytes, bytearray])  # read-only, and with an address
+@pytest.mark.parametrize("size", [1, 4095, 4096, 1 << 20, (1 << 20) + 1, (3 << 20) + 17])
+def test_write_then_read_back(
+    node: PolarKV, transport: Transport, size: int, source: type[bytes | bytearray]
+) -> None:
     data = os.urandom(size)
-    reply, w = _allocate(node.manager_url, key(size), size)
-    transport.write_from(w, memoryview(data), time.monotonic() + 5)
+    name = key(size if source is bytes else size + (1 << 30))
+    reply, w = _allocate(node.manager_url, name, size)
+    wrote = transport.write_from(w, memoryview(source(data)), time.monotonic() + 5)
+    assert wrote == (checksum(data) if HASHES_WRITES[transport.name] else None)
     post(
         node.manager_url,
         "/v1/commit",
-        {"lease": reply["lease"], "items": [{"key": key(size), "checksum": checksum(data)}]},
+        {"lease": reply["lease"], "items": [{"key": name, "checksum": checksum(data)}]},
     )
-    hit = post(node.manager_url, "/v1/lookup", {"keys": [key(size)]})
+    hit = post(node.manager_url, "/v1/lookup", {"keys": [name]})
     out = bytearray(size)
     got = transport.read_into(region(hit, hit["entries"][0]), memoryview(out), time.monotonic() + 5)
     assert out == data
