@@ -11,7 +11,7 @@ wake-up into Python for every piece of a transfer the kernel hands over, which o
 loopback is a few hundred per 16 MiB object. Blocking, a whole payload is one
 `recv_into(..., MSG_WAITALL)` or one `sendmsg`: the kernel copies as the bytes arrive and
 the GIL is released for the whole object (a payload hashed as it lands: one receive per
-256 KiB piece).
+128 KiB piece).
 
 A call that runs out of time raises OperationTimeout; a peer that closes mid-buffer
 raises NetworkError; other socket errors stay OSError for the caller to map.
@@ -42,10 +42,11 @@ class Hasher(Protocol):
 
 
 # Bytes received per recv when they are hashed as they land: well inside a core's L2
-# cache. Over loopback, 16 MiB objects received in 256 KiB pieces and each hashed at
-# once moved as fast as unhashed ones, and 30% faster than received whole and hashed
-# after (docs/BENCHMARKS.md).
-HASH_SLICE = 256 * 1024
+# cache. Over loopback, 16 MiB objects received in pieces and each hashed at once moved
+# as fast as unhashed ones, 30% faster than received whole and hashed after; 128 KiB
+# pieces beat 64, 192, 256 and 512 KiB ones on a 1 MiB-L2 machine and match them on a
+# larger one (docs/BENCHMARKS.md).
+HASH_SLICE = 128 * 1024
 _TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux and the BSDs (time_t, suseconds_t)
 _FOREVER = _TIMEVAL.pack(0, 0)  # a zero timeval: no timeout
 _LINGER_RESET = struct.pack("@ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST, drops the queue

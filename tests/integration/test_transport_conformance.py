@@ -17,6 +17,7 @@ from polarkv_lib.client import checksum
 from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, PolarKVError
 from polarkv_lib.transport import create, rdma_unavailable
 from polarkv_lib.transport.base import Transport
+from polarkv_lib.transport.sockio import HASH_SLICE
 from polarkv_lib.transport.tcp import TcpTransport
 from tests.conftest import Cluster, PolarKV
 from tests.integration.raw import key, post, region
@@ -185,9 +186,9 @@ def test_read_many_reads_each_region_and_isolates_a_refused_one(
     answer: the bytes where granted, and where a grant is refused (a WRITE grant used to
     read) that region's error alone; the regions after it are still read. A checksum
     the transport hands over with a region is that of the bytes it put there (tcp
-    hashes each region in pieces as they arrive: these regions span two)."""
+    hashes each region in pieces as they arrive: these regions span three)."""
     url = node.manager_url
-    blobs = [os.urandom((256 << 10) + i) for i in range(6)]
+    blobs = [os.urandom(2 * HASH_SLICE + 1 + i) for i in range(6)]
     keys = [key(3000 + i) for i in range(len(blobs))]
     writes = _stored(url, transport, keys, blobs)
     hit = post(url, "/v1/lookup", {"keys": keys})
