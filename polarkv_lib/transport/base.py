@@ -70,8 +70,8 @@ class Transport(ABC):
     @abstractmethod
     def write_from(self, region: Region, view: memoryview, deadline: float) -> str | None:
         """Copy `view` (len(view) == region.size) into the region. Returns the checksum
-        of the bytes written where the transport took it as they went (shm: of the
-        region's copy, piece by piece, while in the CPU's cache), else None: the caller
+        of `view`'s bytes where the transport took it as they went (shm: piece by piece,
+        each right after its copy, while in the CPU's cache), else None: the caller
         takes it."""
 
     def read_many(

@@ -11,12 +11,12 @@ What makes the copy run near memcpy speed:
   transfers copy on all cores, and the client's event loop keeps running meanwhile. A
   memoryview slice of the region stays exported for the whole copy, so the mapping
   cannot be closed (mmap.close raises BufferError) while an address into it is in use.
-- A read or a write copies in COPY_BLOCK pieces and hashes each piece of the copy right
-  after it is made, while it is still in the core's cache (xxh3 releases the GIL too),
-  and returns the checksum: each byte crosses the memory bus once each way. Hashing a
-  whole chunk after its copy reads it from memory again, on whichever thread: a third
-  more memory traffic, which costs where one copy already fills the memory bus
-  (docs/BENCHMARKS.md).
+- A read or a write copies in COPY_BLOCK pieces and hashes each piece right after its
+  copy, while it is still in the core's cache (a read what landed in the caller's
+  buffer, a write the caller's bytes; xxh3 releases the GIL too), and returns the
+  checksum: each byte crosses the memory bus once each way. Hashing a whole chunk
+  after its copy reads it from memory again, on whichever thread: a third more memory
+  traffic, which costs where one copy already fills the memory bus (docs/BENCHMARKS.md).
 - A fresh mapping has no page-table entries; touching it page by page costs a fault per
   4 KiB, several times the copy itself. The first transfer into each 2 MiB block of the
   mapping populates the block's entries in one madvise(MADV_POPULATE_WRITE) call
@@ -63,10 +63,10 @@ _madvise = _load_madvise()
 COPY_BLOCK = 1024 * 1024
 
 
-def _copy_hashed(target: memoryview, source: memoryview) -> str:
+def _copy_hashed(target: memoryview, source: memoryview, hashed: memoryview) -> str:
     """Copy `source` into `target` (both non-empty, of one length, `target` writable)
-    piece by piece, hashing each piece of `target` as soon as it is in; the checksum of
-    the whole."""
+    piece by piece, hashing each piece of `hashed` (one of the two) right after its copy;
+    the checksum of the whole."""
     hasher = checksum_stream()
     to = _address(target)
     at = None if source.readonly else _address(source)
@@ -76,7 +76,7 @@ def _copy_hashed(target: memoryview, source: memoryview) -> str:
             target[start:end] = source[start:end]
         else:
             ctypes.memmove(to + start, at + start, end - start)
-        hasher.update(target[start:end])
+        hasher.update(hashed[start:end])
     return hasher.hexdigest()
 
 
@@ -175,12 +175,16 @@ class ShmTransport(Transport):
             if view.readonly or not view:  # read-only: the client refuses it before any I/O
                 view[:] = source
                 return None  # nothing moved to hash: the caller takes it
-            return _copy_hashed(view, source)
+            # What landed in the caller's buffer: a writer changing the slab's bytes
+            # meanwhile makes this differ from the stored checksum, and the read a miss.
+            return _copy_hashed(view, source, view)
 
     def write_from(self, region: Region, view: memoryview, deadline: float) -> str | None:
-        # The checksum is of the region's bytes as copied: what a reader will find.
+        # The caller's bytes are hashed, not the region's: shm has no fence, and a stale
+        # writer changing the region meanwhile must make it disagree with the checksum
+        # (a miss for its readers), not get its bytes certified as this entry's.
         with self._region(region, len(view), deadline) as target:
-            return _copy_hashed(target, view) if view else None
+            return _copy_hashed(target, view, view) if view else None
 
     def close(self) -> None:
         for path in list(self._maps):

@@ -6,6 +6,7 @@ Each case runs against a real slab process with regions and grants from its mana
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 
 from polarkv_lib.client import checksum
 from polarkv_lib.errors import AccessDenied, NetworkError, OperationTimeout, PolarKVError
-from polarkv_lib.transport import create, rdma_unavailable
+from polarkv_lib.transport import create, rdma_unavailable, shm
 from polarkv_lib.transport.base import Transport
 from polarkv_lib.transport.sockio import HASH_SLICE
 from polarkv_lib.transport.tcp import TcpTransport
@@ -80,6 +81,50 @@ def test_write_then_read_back(
     got = transport.read_into(region(hit, hit["entries"][0]), memoryview(out), time.monotonic() + 5)
     assert out == data
     assert got == (checksum(data) if HASHES_READS[transport.name] else None)
+
+
+def test_shm_checksums_are_of_the_callers_bytes_whatever_a_stale_writer_does(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """shm has no fence: a writer with a stale grant can change a region at any moment.
+    The checksum a write returns is of the caller's bytes, and a read's of what landed
+    in the caller's buffer, so such a change shows as a mismatch (a miss) and is never
+    certified. Here the stale writer changes the slab's side of each piece right after
+    its copy, before its hash."""
+    node = cluster.embedded()
+    data = os.urandom(3 * shm.COPY_BLOCK + 5)
+    reply, w = _allocate(node.manager_url, key(78), len(data))
+    transport = create("shm")
+    copy = ctypes.memmove
+    try:
+        # A write copies to the region: the stale writer changes the piece just written.
+        monkeypatch.setattr(
+            ctypes, "memmove", lambda to, at, n: (copy(to, at, n), ctypes.memset(to, 0xA5, 1))
+        )
+        assert transport.write_from(w, memoryview(bytearray(data)), time.monotonic() + 5) == (
+            checksum(data)
+        )
+        post(
+            node.manager_url,
+            "/v1/commit",
+            {"lease": reply["lease"], "items": [{"key": key(78), "checksum": checksum(data)}]},
+        )
+        stored = bytearray(data)
+        for start in range(0, len(data), shm.COPY_BLOCK):
+            stored[start] = 0xA5
+        hit = post(node.manager_url, "/v1/lookup", {"keys": [key(78)]})
+        r = region(hit, hit["entries"][0])
+        # A read copies from the region: the stale writer changes it again behind each copy.
+        monkeypatch.setattr(
+            ctypes, "memmove", lambda to, at, n: (copy(to, at, n), ctypes.memset(at, 0x5A, 1))
+        )
+        out = bytearray(len(data))
+        got = transport.read_into(r, memoryview(out), time.monotonic() + 5)
+        assert out == stored  # the first stale change is in the region and so in the copy
+        assert got == checksum(stored) != checksum(data)  # what the caller got: a miss
+    finally:
+        monkeypatch.undo()
+        transport.close()
 
 
 def test_a_tcp_read_beside_others_leaves_the_checksum_to_the_client(cluster: Cluster) -> None:
