@@ -109,9 +109,9 @@ class Transfers:
         At most `connections` pool tasks each move every n-th region in turn, rather than
         one task per region: a dispatch to the pool costs tens of microseconds, a tenth of
         a 1 MiB shm copy. A task's consecutive reads from one slab go as one read_many
-        (pipelined on tcp), each chunk its transport did not hash hashed on the hashing
-        pool while the next ones arrive; any other chunk is hashed in its task right after
-        its transfer, if its transport did not."""
+        (pipelined on tcp). A chunk's checksum is the transport's where it took one;
+        otherwise a chunk of such a run is hashed on the hashing pool while the next ones
+        arrive, and any other chunk in its task right after its transfer."""
 
         def move(part: range) -> list[str | None]:
             with self._queue_lock:

@@ -44,8 +44,8 @@ class Hasher(Protocol):
 # Bytes received per recv when they are hashed as they land: well inside a core's L2
 # cache. Over loopback, 16 MiB objects received in pieces and each hashed at once moved
 # as fast as unhashed ones, 30% faster than received whole and hashed after; 128 KiB
-# pieces beat 64, 192, 256 and 512 KiB ones on a 1 MiB-L2 machine and match them on a
-# larger one (docs/BENCHMARKS.md).
+# pieces beat 64, 192, 256 and 512 KiB ones on a 1 MiB-L2 machine (on one with a larger
+# L2, 64 and 256 KiB had measured alike; docs/BENCHMARKS.md).
 HASH_SLICE = 128 * 1024
 _TIMEVAL = struct.Struct("@ll")  # struct timeval on Linux and the BSDs (time_t, suseconds_t)
 _FOREVER = _TIMEVAL.pack(0, 0)  # a zero timeval: no timeout
